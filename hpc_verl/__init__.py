@@ -1,0 +1,28 @@
+"""hpc_verl: verl-style RL post-training of LLMs, from a laptop to SLURM clusters.
+
+The public API is imported lazily so that ``import hpc_verl`` (and the CLI) stay
+light: nothing here pulls in ray or torch until it is used.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from hpc_verl._version import __version__
+
+# public name -> module that defines it
+_LAZY: dict[str, str] = {}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hpc_verl' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = ["__version__", *_LAZY]

@@ -1,0 +1,3 @@
+from hpc_verl.cli.main import run
+
+run()

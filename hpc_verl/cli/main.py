@@ -1,0 +1,63 @@
+"""Entry point of ``hpc-verl``.
+
+Each verb lives in its own module in this package and exposes
+``register(subparsers) -> None``, which adds its parser and sets
+``func=callable(args) -> int``. Verb modules must import heavy libraries (ray,
+torch) inside their functions, so ``hpc-verl --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from hpc_verl._version import __version__
+from hpc_verl.errors import HpcVerlError
+
+# Add a verb by adding its module name here (module hpc_verl.cli.<name>).
+VERB_MODULES: tuple[str, ...] = ()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit 2."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="hpc-verl",
+        description="Run verl-style RL post-training of LLMs on HPC clusters.",
+    )
+    parser.add_argument("--version", action="version", version=f"hpc-verl {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=OneLineParser)
+    for name in VERB_MODULES:
+        importlib.import_module(f"hpc_verl.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except HpcVerlError as exc:
+        print(f"hpc-verl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("hpc-verl: interrupted", file=sys.stderr)
+        return 130
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()
