@@ -34,5 +34,5 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q -e ".[train,verl,test]"
 # Upstream verl is used only for its config files (key validation); its own
 # dependency tree (vLLM, flash-attn, ...) is GPU-only, so it comes without deps.
-"$PY" -c 'import verl' 2>/dev/null || "$PY" -m pip install -q --no-deps "verl==0.9.1"
+"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("verl") is None)' || "$PY" -m pip install -q --no-deps "verl==0.9.1"
 echo "setup: ready ($("$PY" -c 'import hpc_verl; print("hpc_verl", hpc_verl.__version__)'))"
