@@ -1,0 +1,150 @@
+"""The ``python3 -m verl.trainer.main_ppo`` command for a job, validated before submission.
+
+What the allocation decides is never typed twice: ``trainer.nnodes`` and
+``trainer.n_gpus_per_node`` come from the profile and the node count; a user
+override that disagrees is refused with both numbers. ``RAY_ADDRESS`` comes from
+the bootstrap (the job's own Ray cluster); in that mode Ray refuses
+``ray.init(num_cpus=...)`` ("When connecting to an existing cluster, num_cpus
+and num_gpus must not be provided"), so the CPU count from the allocation goes
+to ``ray start --num-cpus`` and ``ray_kwargs.ray_init.num_cpus`` is set only when
+verl starts Ray itself (a single node without the bootstrap).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from hpc_verl.errors import ConfigError
+from hpc_verl.launch.checks import check_ppo_arithmetic
+from hpc_verl.verl_upstream import config as vconfig
+from hpc_verl.verl_upstream.overrides import (Override, check_overrides, one_line, override_map,
+                                              parse_overrides)
+
+MODULE = "verl.trainer.main_ppo"
+ROLLOUT_NAME = "actor_rollout_ref.rollout.name"
+NUM_CPUS = "ray_kwargs.ray_init.num_cpus"
+KNOWN_ROLLOUTS = ("vllm", "sglang", "hf", "trtllm")
+
+
+class VerlNotInstalledWarning(UserWarning):
+    """verl is absent here: keys cannot be checked (arithmetic still is)."""
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What one job gets: nodes, GPUs and CPUs per node."""
+
+    nnodes: int
+    gpus_per_node: int
+    cpus_per_node: int
+    source: str = "the allocation"  # named in messages, e.g. "profile 'ib-a100' (--nodes 2)"
+
+
+@dataclass
+class VerlCommand:
+    """argv to run inside the container, plus what the launcher must provide."""
+
+    python: str
+    derived: list[str]
+    user: list[str]
+    attach_to_ray: bool
+    env_required: list[str] = field(default_factory=list)
+    verl_version: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def overrides(self) -> list[str]:
+        return [*self.derived, *self.user]
+
+    @property
+    def argv(self) -> list[str]:
+        return [self.python, "-m", MODULE, *self.overrides]
+
+
+def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, python: str = "python3",
+                       attach_to_ray: bool = True, check_keys: bool = True,
+                       where: str = "verl override") -> VerlCommand:
+    """Derive, validate and assemble the main_ppo command; raise ConfigError on any problem."""
+    parsed = parse_overrides(user_overrides, where)
+    values = override_map(parsed)
+    derived: list[str] = []
+    derived += _derive(values, "trainer.nnodes", alloc.nnodes, alloc, "nodes")
+    derived += _derive(values, "trainer.n_gpus_per_node", alloc.gpus_per_node, alloc, "GPUs per node")
+    owned = {"trainer.nnodes", "trainer.n_gpus_per_node"}
+    cpus = values.get(NUM_CPUS)
+    if attach_to_ray:
+        if cpus not in (None, "null"):
+            raise ConfigError(f"{where} '{NUM_CPUS}={cpus}': the job attaches to its own Ray cluster "
+                              f"(RAY_ADDRESS) and Ray refuses num_cpus when connecting; the "
+                              f"{alloc.cpus_per_node} CPUs per node from {alloc.source} already go to "
+                              "'ray start --num-cpus'; drop this override")
+    else:
+        derived += _derive(values, NUM_CPUS, alloc.cpus_per_node, alloc, "CPUs per node")
+        owned.add(NUM_CPUS)
+    user = [ov.raw for ov in parsed if ov.key not in owned]
+
+    name = values.get(ROLLOUT_NAME)
+    if not name or name in ("???", "null"):
+        raise ConfigError(f"verl job: '{ROLLOUT_NAME}' is required (verl has no default); add "
+                          f"{ROLLOUT_NAME}=vllm (or {', '.join(KNOWN_ROLLOUTS[1:])}) to the overrides")
+
+    cmd = VerlCommand(python=python, derived=derived, user=user, attach_to_ray=attach_to_ray,
+                      env_required=["RAY_ADDRESS"] if attach_to_ray else [])
+    schema = vconfig.schema() if check_keys else None
+    if check_keys and schema is None:
+        msg = ("upstream verl is not installed here: override keys are not checked against its config "
+               "(install it on the login node with: pip install --no-deps verl omegaconf hydra-core)")
+        cmd.warnings.append(msg)
+        warnings.warn(msg, VerlNotInstalledWarning, stacklevel=2)
+    problems: list[str] = []
+    if schema is not None:
+        cmd.verl_version = schema.version
+        problems += check_overrides(parse_overrides(cmd.overrides, where), schema, where)
+    if problems:
+        raise ConfigError(one_line(problems))
+    resolved = resolved_config(cmd.overrides) if schema is not None else _flat_values(parsed)
+    problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node)
+    if problems:
+        raise ConfigError(f"verl job on {alloc.source}: {one_line(problems)}")
+    return cmd
+
+
+def _derive(values: dict[str, str | None], key: str, actual: int, alloc: Allocation, what: str) -> list[str]:
+    given = values.get(key)
+    if given is None:
+        return [f"{key}={actual}"]
+    try:
+        same = int(str(given)) == actual
+    except ValueError:
+        same = False
+    if not same:
+        raise ConfigError(f"override '{key}={given}' disagrees with {alloc.source}, which has {actual} {what}; "
+                          f"hpc-verl sets {key} from the allocation: drop the override (or change the "
+                          "allocation)")
+    return [f"{key}={actual}"]
+
+
+def resolved_config(overrides: Sequence[str]) -> dict[str, Any]:
+    """verl's config composed with ``overrides`` and interpolations resolved (plain dict)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    cfg = vconfig.compose(overrides)
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"verl config does not resolve: {' '.join(str(exc).split())}") from exc
+
+
+def _flat_values(parsed: Sequence[Override]) -> dict[str, Any]:
+    """Without verl: the user's own values only (flat keys; checks skip what is absent)."""
+    out: dict[str, Any] = {}
+    for ov in parsed:
+        if ov.value is None:
+            continue
+        v: Any = ov.value
+        if v.lower() in ("true", "false"):
+            v = v.lower() == "true"
+        out[ov.key.lstrip("+")] = v
+    return out
