@@ -1,0 +1,557 @@
+"""``hpc-verl doctor``: check a node against its cluster profile before a job wastes hours.
+
+Each check returns OK / WARN / FAIL (or SKIP when it does not apply) with one
+line of detail and, when not OK, one line saying how to fix it. The checks
+target the failures that cost users days: NCCL silently on sockets because the
+HCAs are down or not passed into the container, Ray advertising a loopback or
+docker-bridge address, a small ``/dev/shm``, low memlock/nofile limits, ports of
+the job's block already taken, an old Ray, torch not seeing the GPUs.
+
+All file-system views come through :class:`~hpc_verl.ops.sysinfo.Roots`, so the
+tests run every check against fake sysfs/proc/dev trees.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from hpc_verl.ops import sysinfo
+from hpc_verl.ops.sysinfo import Roots
+
+OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
+MIN_RAY = (2, 40)
+NOFILE_WANTED = 65536
+IB_TRANSPORTS = ("infiniband", "roce")
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass
+class Expectations:
+    """What the profile asks of a node (flattened from the launcher's Profile)."""
+
+    profile: str = "local"
+    scheduler: str = "local"
+    transport: str = "loopback"
+    interface: str | None = None
+    allow_loopback: bool = True
+    ib_hcas: list[str] = field(default_factory=list)
+    ib_devices: list[str] = field(default_factory=lambda: ["/dev/infiniband"])
+    shm_size: str = "16G"
+    shm_bytes: int = 16 * 2**30
+    runtime: str = "none"
+    image: str | None = None
+    global_flags: list[str] = field(default_factory=list)
+    run_flags: list[str] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
+    ipc_lock: bool = True
+    memlock_unlimited: bool = True
+    accelerator: str = "none"
+    gpus_per_node: int = 0
+    port_base: int = 20000
+    port_stride: int = 100
+    port_slots: int = 400
+    python: str = "python3"
+
+    @classmethod
+    def from_profile(cls, p: Any) -> "Expectations":
+        """From the launcher's ``Profile`` (hpc_verl.profiles.schema)."""
+        from hpc_verl.profiles.schema import parse_size_bytes
+
+        c, n, s, r = p.container, p.network, p.slurm, p.ray
+        return cls(profile=p.name, scheduler=p.scheduler, transport=n.transport, interface=n.interface,
+                   allow_loopback=bool(n.allow_loopback) or p.scheduler == "local" or n.transport == "loopback",
+                   ib_hcas=list(n.ib_hcas), ib_devices=list(n.ib_devices), shm_size=c.shm_size,
+                   shm_bytes=parse_size_bytes(c.shm_size), runtime=c.runtime, image=c.image,
+                   global_flags=list(c.global_flags), run_flags=list(c.run_flags), devices=list(c.devices),
+                   ipc_lock=c.ipc_lock, memlock_unlimited=c.memlock_unlimited, accelerator=p.accelerator,
+                   gpus_per_node=s.gpus_per_node, port_base=r.port_base, port_stride=r.port_stride,
+                   port_slots=r.port_slots, python=r.python)
+
+    @property
+    def uses_ib(self) -> bool:
+        return self.transport in IB_TRANSPORTS
+
+    @property
+    def isolating_runtime(self) -> bool:
+        """docker/podman give the container its own /dev/shm, limits and devices."""
+        return self.runtime in ("docker", "podman")
+
+
+@dataclass
+class Context:
+    """How doctor runs: roots, where it is, and the optional deep container probe."""
+
+    roots: Roots = field(default_factory=Roots)
+    in_container: bool = False
+    job_id: int | None = None
+    deep: bool = False
+    runner: Callable[..., subprocess.CompletedProcess] = subprocess.run
+    probe: dict[str, Any] | None = None  # filled by the deep container probe
+
+
+# ----------------------------------------------------------------------------- checks
+def check_ib(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "infiniband"
+    if not exp.uses_ib:
+        return CheckResult(name, SKIP, f"profile uses network.transport={exp.transport} (no HCAs needed)")
+    ports = sysinfo.ib_ports(ctx.roots)
+    base = ctx.roots.sysfs / "class" / "infiniband"
+    if not ports:
+        return CheckResult(name, FAIL, f"no InfiniBand devices: {base} is missing or empty (profile wants "
+                           f"{', '.join(exp.ib_hcas)}); NCCL would fall back to TCP sockets",
+                           "load the RDMA drivers (modprobe mlx5_ib ib_uverbs) and check 'ibstat'; "
+                           "on a node without IB use a profile with network.transport: ethernet")
+    problems, good = [], []
+    want_layer = "InfiniBand" if exp.transport == "infiniband" else "Ethernet"
+    for spec in exp.ib_hcas:
+        hca, _, port = spec.lstrip("^=").partition(":")
+        if spec.startswith("^"):
+            continue  # NCCL exclusion list: nothing to require
+        if hca not in ports:
+            problems.append(f"{hca} not found (present: {', '.join(sorted(ports))})")
+            continue
+        hports = [p for p in ports[hca] if not port or p.port == int(port)]
+        if not hports:
+            problems.append(f"{hca} has no port {port}")
+            continue
+        for p in hports:
+            if p.state != "ACTIVE":
+                problems.append(f"{hca} port {p.port} is {p.state}")
+            elif p.link_layer not in (want_layer, "unknown"):
+                problems.append(f"{hca} port {p.port} link layer is {p.link_layer}, "
+                                f"transport {exp.transport} needs {want_layer}")
+            else:
+                good.append(f"{hca}:{p.port}")
+    if problems:
+        return CheckResult(name, FAIL, "; ".join(problems),
+                           "fix network.ib_hcas to the active HCAs 'ibstat' lists, or bring the port up "
+                           "(cable, subnet manager: 'sminfo')")
+    return CheckResult(name, OK, f"active: {', '.join(good)}")
+
+
+def check_interface(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "interface"
+    ifaces = sysinfo.interfaces(ctx.roots)
+    iface = exp.interface or sysinfo.default_route_interface(ctx.roots)
+    present = ", ".join(sorted(ifaces)) or "none"
+    if iface is None:
+        if exp.allow_loopback:
+            return CheckResult(name, OK, "no network.interface and no default route; single-host profile "
+                               "uses loopback")
+        return CheckResult(name, FAIL, f"network.interface is unset and there is no default route "
+                           f"(interfaces: {present})", "set network.interface in the profile (e.g. ib0, eth0)")
+    if iface not in ifaces:
+        return CheckResult(name, FAIL, f"interface '{iface}' does not exist here (present: {present})",
+                           f"set network.interface to one of: {present}")
+    info = ifaces[iface]
+    addrs = info.ipv4
+    if not addrs:
+        return CheckResult(name, FAIL, f"'{iface}' has no IPv4 address (state {info.operstate})",
+                           "bring it up ('ip addr') or pick the interface with the cluster network's address")
+    routable = [a for a in addrs if not a.startswith("127.") and not sysinfo.is_bridge(iface, a)]
+    if sysinfo.is_bridge(iface, addrs[0]):
+        return CheckResult(name, FAIL, f"'{iface}' ({', '.join(addrs)}) is a container bridge: other nodes "
+                           "cannot reach Ray there", "set network.interface to the node's cluster NIC")
+    if not routable and not exp.allow_loopback:
+        return CheckResult(name, FAIL, f"'{iface}' has only loopback addresses ({', '.join(addrs)}): Ray "
+                           "workers on other nodes cannot reach the head",
+                           "set network.interface to the node's cluster NIC (e.g. ib0, eth0)")
+    status = OK if info.operstate in ("up", "unknown") else WARN
+    fix = "" if status == OK else f"'{iface}' is {info.operstate}: check 'ip link show {iface}'"
+    return CheckResult(name, status, f"'{iface}' {info.operstate}, IPv4 {', '.join(addrs)}", fix)
+
+
+def check_shm(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "shm"
+    size = sysinfo.fs_size_bytes(ctx.roots.shm)
+    if size is None:
+        return CheckResult(name, FAIL, f"{ctx.roots.shm} does not exist", "mount a tmpfs at /dev/shm")
+    have = f"{size / 2**30:.1f} GiB"
+    if exp.isolating_runtime and not ctx.in_container:
+        return CheckResult(name, OK, f"the {exp.runtime} container gets its own --shm-size {exp.shm_size} "
+                           f"(host {ctx.roots.shm}: {have})")
+    if size < exp.shm_bytes:
+        return CheckResult(name, FAIL, f"{ctx.roots.shm} is {have}, profile wants container.shm_size "
+                           f"{exp.shm_size}: DataLoader workers and NCCL can hang or die with bus errors",
+                           f"remount it larger (mount -o remount,size={exp.shm_size} /dev/shm) or lower "
+                           "container.shm_size")
+    return CheckResult(name, OK, f"{ctx.roots.shm} is {have} (wanted {exp.shm_size})")
+
+
+def _fmt_limit(v: int | None) -> str:
+    return "unlimited" if v is None else str(v)
+
+
+def check_memlock(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "memlock"
+    lim = sysinfo.process_limits(ctx.roots).get("Max locked memory")
+    if lim is None:
+        return CheckResult(name, WARN, "cannot read the memlock limit", "check 'ulimit -l'")
+    text = f"soft {_fmt_limit(lim.soft)}, hard {_fmt_limit(lim.hard)}"
+    if not exp.uses_ib:
+        return CheckResult(name, OK, f"{text} (no RDMA on transport {exp.transport})")
+    if exp.isolating_runtime and exp.memlock_unlimited and not ctx.in_container:
+        return CheckResult(name, OK, f"host {text}; the container raises it (--ulimit memlock=-1:-1)")
+    if lim.soft is not None:
+        return CheckResult(name, FAIL, f"{text}: RDMA memory registration fails, NCCL falls back to sockets "
+                           "or dies with 'ibv_reg_mr failed'",
+                           "set 'memlock unlimited' in /etc/security/limits.conf (and SLURM "
+                           "PropagateResourceLimits), or container.memlock_unlimited: true")
+    return CheckResult(name, OK, text)
+
+
+def check_nofile(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "nofile"
+    lim = sysinfo.process_limits(ctx.roots).get("Max open files")
+    if lim is None:
+        return CheckResult(name, WARN, "cannot read the open-files limit", "check 'ulimit -n'")
+    text = f"soft {_fmt_limit(lim.soft)}, hard {_fmt_limit(lim.hard)}"
+    if lim.soft is not None and lim.soft < 1024:
+        return CheckResult(name, FAIL, f"{text}: Ray runs out of file descriptors",
+                           f"raise it: 'ulimit -n {NOFILE_WANTED}' (limits.conf nofile)")
+    if lim.soft is not None and lim.soft < NOFILE_WANTED:
+        hint = (f"'ulimit -n {NOFILE_WANTED}' before ray start" if lim.hard is None or lim.hard >= NOFILE_WANTED
+                else f"ask the admin for nofile {NOFILE_WANTED} in /etc/security/limits.conf")
+        return CheckResult(name, WARN, f"{text}: below the {NOFILE_WANTED} Ray recommends for big clusters",
+                           hint)
+    return CheckResult(name, OK, text)
+
+
+def job_port_range(job_id: int, port_base: int, port_stride: int, port_slots: int) -> range:
+    """Ports of a job's block: ``port_base + (job_id % port_slots) * port_stride``, ``port_stride`` long.
+
+    Uses the bootstrap's own layout (hpc_verl.bootstrap.ports) when present.
+    """
+    try:
+        from hpc_verl.bootstrap.ports import port_block
+    except ImportError:
+        start = port_base + (job_id % port_slots) * port_stride
+        return range(start, start + port_stride)
+    block = port_block(job_id, port_base=port_base, port_stride=port_stride, port_slots=port_slots)
+    return range(block.block_start, block.block_start + port_stride)
+
+
+def busy_ports(ports: Sequence[int]) -> list[int]:
+    import socket
+
+    busy = []
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+def check_ports(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "ports"
+    if ctx.job_id is None:
+        return CheckResult(name, SKIP, "no job id (SLURM_JOB_ID unset); pass --job-id N to check that job's "
+                           "port block")
+    rng = job_port_range(ctx.job_id, exp.port_base, exp.port_stride, exp.port_slots)
+    busy = busy_ports(rng)
+    span = f"{rng.start}-{rng.stop - 1}"
+    if busy:
+        shown = ", ".join(map(str, busy[:8])) + (" ..." if len(busy) > 8 else "")
+        return CheckResult(name, FAIL, f"job {ctx.job_id}'s Ray port block {span}: {len(busy)} in use "
+                           f"({shown})", f"find the holder with 'ss -ltnp | grep :{busy[0]}'; if it is not "
+                           "an older run of this job, change ray.port_base in the profile")
+    lo, hi = _ephemeral_range(ctx)
+    if rng.start <= hi and rng.stop - 1 >= lo:
+        return CheckResult(name, WARN, f"job {ctx.job_id}'s block {span} is free but overlaps the ephemeral "
+                           f"range {lo}-{hi}: outgoing connections may take its ports",
+                           "move ray.port_base below the ephemeral range "
+                           "(/proc/sys/net/ipv4/ip_local_port_range)")
+    return CheckResult(name, OK, f"job {ctx.job_id}'s Ray port block {span} is free")
+
+
+def _ephemeral_range(ctx: Context) -> tuple[int, int]:
+    try:
+        lo, hi = (ctx.roots.proc / "sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    out = []
+    for part in text.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def _host_view_note(exp: Expectations, ctx: Context) -> str:
+    """Checks of software on the host matter less when the job runs in a container."""
+    if exp.runtime != "none" and not ctx.in_container:
+        return f" (host; the job uses the {exp.runtime} image's copy: check it with --deep)"
+    return ""
+
+
+def check_ray(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "ray"
+    probe = ctx.probe or {}
+    if "ray" in probe:
+        version, where = probe["ray"], " (in the container)"
+    else:
+        try:
+            version, where = importlib.metadata.version("ray"), _host_view_note(exp, ctx)
+        except importlib.metadata.PackageNotFoundError:
+            version, where = None, _host_view_note(exp, ctx)
+    soft = bool(where) and "host" in where
+    want = ".".join(map(str, MIN_RAY))
+    if not version:
+        return CheckResult(name, WARN if soft else FAIL, f"Ray is not installed{where}",
+                           f"pip install 'ray[default]>={want}'")
+    if _version_tuple(version) < MIN_RAY:
+        return CheckResult(name, WARN if soft else FAIL, f"Ray {version}{where} is older than {want}",
+                           f"pip install -U 'ray[default]>={want}'")
+    return CheckResult(name, OK, f"Ray {version}{where}")
+
+
+def check_gpu_devices(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "gpu-devices"
+    if exp.accelerator not in ("nvidia", "amd") or exp.gpus_per_node == 0:
+        return CheckResult(name, SKIP, f"profile expects no physical GPUs (accelerator {exp.accelerator})")
+    if exp.accelerator == "nvidia":
+        count, source, fix = (sysinfo.nvidia_gpu_count(ctx.roots), ctx.roots.proc / "driver/nvidia/gpus",
+                              "install/load the NVIDIA driver ('nvidia-smi' must list the GPUs)")
+    else:
+        count, source, fix = (sysinfo.amd_gpu_count(ctx.roots), ctx.roots.sysfs / "class/kfd",
+                              "load amdgpu ('rocm-smi' must list the GPUs); /dev/kfd and /dev/dri are needed")
+    if count is None:
+        return CheckResult(name, FAIL, f"no {exp.accelerator} driver here ({source} missing); profile wants "
+                           f"{exp.gpus_per_node} GPUs per node", fix)
+    if count < exp.gpus_per_node:
+        return CheckResult(name, FAIL, f"driver sees {count} GPUs, profile wants slurm.gpus_per_node="
+                           f"{exp.gpus_per_node}", f"{fix}, or lower slurm.gpus_per_node")
+    return CheckResult(name, OK, f"driver sees {count} GPUs (profile wants {exp.gpus_per_node})")
+
+
+def torch_info() -> dict[str, Any]:
+    """torch version and what it sees (imported here only: it is heavy)."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                            "hip": getattr(torch.version, "hip", None)}
+    try:
+        info["gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - a broken driver must not crash doctor
+        info["gpus"] = 0
+    return info
+
+
+def check_torch(exp: Expectations, ctx: Context, info: dict[str, Any] | None = None) -> CheckResult:
+    name = "torch"
+    probe = ctx.probe or {}
+    if "torch" in probe:
+        info, where = probe, " (in the container)"
+    else:
+        info, where = (info if info is not None else torch_info()), _host_view_note(exp, ctx)
+    soft = "host" in where
+    if not info.get("torch"):
+        return CheckResult(name, WARN if soft else FAIL, f"torch is not installed{where}",
+                           "install the project's train extra (pip install 'hpc_verl[train]')")
+    build = f"CUDA {info['cuda']}" if info.get("cuda") else f"ROCm {info['hip']}" if info.get("hip") else "CPU"
+    seen = int(info.get("gpus") or 0)
+    detail = f"torch {info['torch']} ({build} build), sees {seen} GPU(s){where}"
+    want = exp.gpus_per_node if exp.accelerator in ("nvidia", "amd") else 0
+    if seen < want:
+        if build == "CPU":
+            fix = "this is a CPU build of torch: install the CUDA/ROCm build in the image"
+        else:
+            fix = ("check CUDA_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES and that the container gets the "
+                   "allocation's GPUs")
+        return CheckResult(name, WARN if soft else FAIL, f"{detail}; profile wants {want}", fix)
+    if exp.accelerator == "amd" and info.get("cuda") and not info.get("hip"):
+        return CheckResult(name, WARN if soft else FAIL, f"{detail}: a CUDA build on an AMD profile",
+                           "install the ROCm build of torch")
+    return CheckResult(name, OK, detail)
+
+
+RUNTIME_BINARIES = {"docker": "docker", "podman": "podman", "apptainer": "apptainer",
+                    "singularity": "singularity", "enroot-pyxis": "enroot"}
+
+
+def check_runtime(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "container-runtime"
+    if exp.runtime == "none":
+        return CheckResult(name, SKIP, "profile runs on the host (container.runtime: none)")
+    if ctx.in_container:
+        return CheckResult(name, SKIP, f"running inside the {exp.runtime} container")
+    binary = RUNTIME_BINARIES[exp.runtime]
+    path = shutil.which(binary)
+    if path is None:
+        return CheckResult(name, FAIL, f"'{binary}' is not on PATH (container.runtime: {exp.runtime})",
+                           f"install {binary} or 'module load' it before the job; or change container.runtime")
+    cmd = [path, *(exp.global_flags if exp.runtime in ("docker", "podman") else []), "--version"]
+    res = _run(ctx, cmd)
+    if res.returncode != 0:
+        return CheckResult(name, FAIL, f"'{binary} --version' failed: {_last_line(res)}",
+                           f"repair the {binary} installation")
+    version = _last_line(res)
+    if exp.runtime == "docker":
+        info = _run(ctx, [path, "info", "--format", "{{.ServerVersion}}"])
+        if info.returncode != 0:
+            return CheckResult(name, FAIL, f"{version}, but the docker daemon is not reachable: "
+                               f"{_last_line(info)}", "start dockerd or use podman/apptainer (rootless)")
+    if exp.runtime == "enroot-pyxis":
+        srun = shutil.which("srun")
+        helptext = _run(ctx, [srun, "--help"]).stdout if srun else ""
+        if "--container-image" not in helptext:
+            return CheckResult(name, FAIL, f"{version}, but srun has no --container-image (pyxis plugin "
+                               "missing)", "install pyxis (plugstack.conf) or use another runtime")
+    return CheckResult(name, OK, version)
+
+
+def check_container_ib(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "container-ib"
+    if not exp.uses_ib:
+        return CheckResult(name, SKIP, f"transport {exp.transport}: no IB devices to pass in")
+    dev = ctx.roots.dev / "infiniband"
+    uverbs = sorted(p.name for p in dev.glob("uverbs*")) if dev.is_dir() else []
+    if ctx.in_container or exp.runtime == "none":
+        where = "inside the container" if ctx.in_container else "on the host (no container)"
+        if not uverbs:
+            return CheckResult(name, FAIL, f"no {dev}/uverbs* {where}: NCCL cannot open the HCAs and uses "
+                               "sockets", "pass /dev/infiniband into the container (network.ib_devices) "
+                               "and load ib_uverbs on the host")
+        return CheckResult(name, OK, f"{', '.join(uverbs)} visible {where}")
+    if ctx.probe is not None and "ib" in ctx.probe:
+        seen = ctx.probe["ib"]
+        if not seen:
+            return CheckResult(name, FAIL, "the container sees no /dev/infiniband/uverbs*",
+                               "add /dev/infiniband to network.ib_devices (and IPC_LOCK)")
+        return CheckResult(name, OK, f"the container sees {', '.join(seen)}")
+    passed = [d for d in exp.ib_devices + exp.devices if d.startswith("/dev/infiniband")]
+    if exp.runtime in ("docker", "podman") and not passed:
+        return CheckResult(name, FAIL, f"the profile passes no /dev/infiniband device to {exp.runtime}: NCCL "
+                           "inside falls back to sockets", "set network.ib_devices: [/dev/infiniband]")
+    if exp.runtime in ("apptainer", "singularity") and any(
+            f in exp.run_flags for f in ("--contain", "--containall", "-c", "-C")) and not any(
+            "/dev/infiniband" in f for f in exp.run_flags):
+        return CheckResult(name, FAIL, f"{exp.runtime} runs with --contain(all), which hides /dev/infiniband",
+                           "add '--bind', '/dev/infiniband' to container.run_flags")
+    if not uverbs:
+        return CheckResult(name, FAIL, f"the profile passes {', '.join(passed) or '/dev (shared)'}, but the "
+                           f"host has no {dev}/uverbs* to pass", "load ib_uverbs (modprobe ib_uverbs) and "
+                           "check the RDMA stack ('ibv_devices')")
+    if exp.runtime in ("docker", "podman") and not exp.ipc_lock:
+        return CheckResult(name, WARN, f"{', '.join(uverbs)} passed in, but without IPC_LOCK",
+                           "set container.ipc_lock: true (RDMA memory registration needs it)")
+    return CheckResult(name, OK, f"{', '.join(uverbs)} on the host, passed in via "
+                       f"{', '.join(passed) or 'the shared /dev'} (run --deep to look inside)")
+
+
+CHECKS: tuple[Callable[[Expectations, Context], CheckResult], ...] = (
+    check_ib, check_interface, check_shm, check_memlock, check_nofile, check_ports, check_ray,
+    check_gpu_devices, check_torch, check_runtime, check_container_ib)
+
+
+# ----------------------------------------------------------------------------- deep probe
+_PROBE = (
+    "import json, glob, importlib.metadata as m\n"
+    "out = {'ib': sorted(p.rsplit('/', 1)[-1] for p in glob.glob('/dev/infiniband/uverbs*'))}\n"
+    "try:\n out['ray'] = m.version('ray')\nexcept Exception:\n pass\n"
+    "try:\n import torch\n out.update(torch=torch.__version__, cuda=torch.version.cuda,"
+    " hip=getattr(torch.version, 'hip', None),"
+    " gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)\nexcept Exception:\n pass\n"
+    "print('HPCV_PROBE ' + json.dumps(out))\n")
+
+
+def container_probe_command(exp: Expectations) -> list[str] | None:
+    """The one container run ``--deep`` makes: what Ray, torch and IB look like inside."""
+    binary = RUNTIME_BINARIES.get(exp.runtime)
+    if binary is None or not exp.image or exp.runtime == "enroot-pyxis":
+        return None
+    devs = [d for d in exp.ib_devices + exp.devices if exp.uses_ib or not d.startswith("/dev/infiniband")]
+    if exp.runtime in ("docker", "podman"):
+        cmd = [binary, *exp.global_flags, "run", "--rm", "--network", "host", *exp.run_flags]
+        for d in devs:
+            cmd += ["--device", d]
+        if exp.ipc_lock:
+            cmd += ["--cap-add", "IPC_LOCK"]
+        return [*cmd, exp.image, exp.python, "-c", _PROBE]
+    return [binary, "exec", *exp.run_flags, exp.image, exp.python, "-c", _PROBE]
+
+
+def run_probe(exp: Expectations, ctx: Context, timeout_s: float = 300) -> CheckResult:
+    """Start the profile's image once and record what it sees (into ``ctx.probe``)."""
+    name = "container-run"
+    cmd = container_probe_command(exp)
+    if cmd is None:
+        return CheckResult(name, SKIP, f"no deep probe for runtime {exp.runtime}")
+    res = _run(ctx, cmd, timeout_s=timeout_s)
+    for line in res.stdout.splitlines():
+        if line.startswith("HPCV_PROBE "):
+            ctx.probe = json.loads(line[len("HPCV_PROBE "):])
+            return CheckResult(name, OK, f"{exp.runtime} ran {exp.image}")
+    return CheckResult(name, FAIL, f"{exp.runtime} could not run {exp.image}: {_last_line(res)}",
+                       "check the image name and container.run_flags/global_flags (try the command by hand)")
+
+
+def _run(ctx: Context, cmd: list[str], timeout_s: float = 30) -> subprocess.CompletedProcess:
+    try:
+        return ctx.runner(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout_s:.0f} s")
+    except OSError as exc:
+        return subprocess.CompletedProcess(cmd, 127, "", str(exc))
+
+
+def _last_line(res: subprocess.CompletedProcess) -> str:
+    lines = [ln.strip() for ln in (res.stdout + "\n" + res.stderr).splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else f"exit {res.returncode}"
+
+
+# ----------------------------------------------------------------------------- driver
+@dataclass
+class Report:
+    profile: str
+    checks: list[CheckResult]
+
+    @property
+    def failed(self) -> bool:
+        return any(c.status == FAIL for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = {s: sum(c.status == s for c in self.checks) for s in (OK, WARN, FAIL, SKIP)}
+        return {"profile": self.profile, "ok": not self.failed, "counts": counts,
+                "checks": [c.to_dict() for c in self.checks]}
+
+
+def run_doctor(exp: Expectations, ctx: Context | None = None,
+               checks: Sequence[Callable[[Expectations, Context], CheckResult]] = CHECKS) -> Report:
+    """Run every check; a crashing check becomes a FAIL line, never a traceback."""
+    ctx = ctx or Context()
+    if ctx.job_id is None and os.environ.get("SLURM_JOB_ID", "").isdigit():
+        ctx.job_id = int(os.environ["SLURM_JOB_ID"])
+    results = []
+    if ctx.deep and exp.runtime != "none" and not ctx.in_container:
+        results.append(run_probe(exp, ctx))
+    for check in checks:
+        try:
+            results.append(check(exp, ctx))
+        except Exception as exc:  # noqa: BLE001 - report, do not crash
+            results.append(CheckResult(check.__name__.removeprefix("check_"), FAIL,
+                                       f"check crashed: {type(exc).__name__}: {exc}",
+                                       "report this as an hpc-verl bug"))
+    return Report(exp.profile, results)
