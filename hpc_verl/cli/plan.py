@@ -1,0 +1,69 @@
+"""``hpc-verl plan``: recommended verl overrides for a profile, a node count and a model size."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+KIND_STYLE = {"override": "", "derived": "dim", "env": "cyan", "note": "yellow"}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="recommended verl overrides for N nodes of a profile, each with its reason",
+        description="Scale a PPO job: recommended batch sizes, rollout tensor parallelism and GPU memory "
+                    "utilisation, parameter/optimizer offload and environment for N nodes of a profile and a "
+                    "model size, each with a one-line reason. --format overrides prints only key=value lines "
+                    "to paste after 'hpc-verl submit' or into a job file.")
+    parser.add_argument("--profile", required=True, help="cluster profile name or path")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a profile value (repeatable)")
+    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("--model-size", default="7B", help="model parameters, e.g. 0.5B, 7B, 70B (default 7B)")
+    parser.add_argument("--gpu-mem-gb", type=float, default=None,
+                        help="GPU memory in GB (default: from the GPU model the profile names)")
+    parser.add_argument("--rollout-n", type=int, default=1, help="responses per prompt (GRPO uses > 1)")
+    parser.add_argument("--format", choices=("table", "overrides", "json"), default="table",
+                        help="table (default), overrides (key=value lines), or json")
+    parser.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hpc_verl.errors import ConfigError
+    from hpc_verl.ops.plan import make_plan, verify_plan
+    from hpc_verl.profiles import load_profile
+    from hpc_verl.verl_upstream.config import schema as verl_schema
+
+    if args.rollout_n < 1:
+        raise ConfigError(f"--rollout-n {args.rollout_n}: must be at least 1")
+    profile = load_profile(args.profile, args.sets)
+    schema = verl_schema()
+    plan = make_plan(profile, args.nodes, args.model_size, args.gpu_mem_gb, args.rollout_n, schema)
+    problems = verify_plan(plan, schema)
+    if problems:  # a bug in the rules, not a user error: say so plainly
+        raise ConfigError(f"plan for profile '{profile.name}' failed its own checks: {problems[0]}")
+    if args.format == "overrides":
+        print("\n".join(plan.overrides))
+        return 0
+    if args.format == "json":
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 160, soft_wrap=False)
+    mem = f"{plan.gpu_mem_gb:g} GB GPUs ({plan.gpu_mem_source})" if plan.gpu_mem_gb else plan.gpu_mem_source
+    table = Table(title=f"plan: profile '{plan.profile}', {plan.nodes} node(s) × {plan.gpus_per_node} GPU(s), "
+                        f"{plan.model_params_b:g}B model, {mem}", title_justify="left")
+    table.add_column("key", no_wrap=True)
+    table.add_column("value", no_wrap=True)
+    table.add_column("why", overflow="fold")
+    for r in plan.rows:
+        key = r.key if r.kind == "override" else f"{r.key} ({r.kind})"
+        table.add_row(key, r.value, r.reason, style=KIND_STYLE.get(r.kind, ""))
+    console.print(table)
+    checked = f"keys checked against verl {schema.version}" if schema else "verl not installed: keys not checked"
+    console.print(f"{checked}; paste with: hpc-verl plan --profile {plan.profile} --nodes {plan.nodes} "
+                  f"--model-size {args.model_size} --format overrides", highlight=False)
+    return 0

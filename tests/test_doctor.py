@@ -1,0 +1,314 @@
+"""hpc-verl doctor: every check against fake sysfs/proc/dev trees (no IB or GPU here),
+the real machine with the shipped profiles, and fake container runtimes (shell
+scripts on PATH standing in for docker/podman, since no docker daemon runs here)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_verl.ops import doctor as d
+from hpc_verl.ops.doctor import FAIL, OK, SKIP, WARN, Context, Expectations, run_doctor
+from hpc_verl.ops.sysinfo import fs_size_bytes
+from fake_node import make_node
+
+HCAS = {f"mlx5_{i}": ("ACTIVE", "InfiniBand") for i in range(4)}
+
+
+def ib_exp(**kw) -> Expectations:
+    base = dict(profile="ib-test", scheduler="slurm", transport="infiniband", interface="ib0",
+                allow_loopback=False, ib_hcas=list(HCAS), runtime="none", accelerator="nvidia",
+                gpus_per_node=8, shm_size="1G", shm_bytes=2**30)
+    base.update(kw)
+    return Expectations(**base)
+
+
+def healthy(tmp_path: Path, **kw):
+    args = dict(hcas=HCAS, ifaces={"ib0": "10.10.0.5/16", "eth0": "192.168.1.5/24"}, default_iface="eth0",
+                nvidia_gpus=8, uverbs=4)
+    args.update(kw)
+    return make_node(tmp_path, **args)
+
+
+# ----------------------------------------------------------------------------- InfiniBand
+def test_ib_all_active_ok(tmp_path):
+    r = d.check_ib(ib_exp(), Context(roots=healthy(tmp_path)))
+    assert r.status == OK and "mlx5_3:1" in r.detail
+
+
+def test_ib_missing_is_fail_with_fix(tmp_path):
+    r = d.check_ib(ib_exp(), Context(roots=healthy(tmp_path, hcas={})))
+    assert r.status == FAIL
+    assert "no InfiniBand devices" in r.detail and "modprobe" in r.fix and "ethernet" in r.fix
+
+
+def test_ib_port_down_and_unknown_hca(tmp_path):
+    hcas = dict(HCAS, mlx5_1=("DOWN", "InfiniBand"))
+    hcas.pop("mlx5_3")
+    r = d.check_ib(ib_exp(), Context(roots=healthy(tmp_path, hcas=hcas)))
+    assert r.status == FAIL
+    assert "mlx5_1 port 1 is DOWN" in r.detail
+    assert "mlx5_3 not found (present: mlx5_0, mlx5_1, mlx5_2)" in r.detail
+
+
+def test_roce_needs_ethernet_link_layer(tmp_path):
+    r = d.check_ib(ib_exp(transport="roce"), Context(roots=healthy(tmp_path)))
+    assert r.status == FAIL and "link layer is InfiniBand" in r.detail
+    roce = {k: ("ACTIVE", "Ethernet") for k in HCAS}
+    assert d.check_ib(ib_exp(transport="roce"), Context(roots=healthy(tmp_path / "b", hcas=roce))).status == OK
+
+
+def test_ib_not_needed_on_ethernet(tmp_path):
+    assert d.check_ib(ib_exp(transport="ethernet"), Context(roots=healthy(tmp_path, hcas={}))).status == SKIP
+
+
+# ----------------------------------------------------------------------------- interface
+def test_interface_ok_with_its_ipv4(tmp_path):
+    r = d.check_interface(ib_exp(), Context(roots=healthy(tmp_path)))
+    assert r.status == OK and "10.10.0.5" in r.detail and "192.168" not in r.detail
+
+
+def test_interface_missing_lists_present(tmp_path):
+    r = d.check_interface(ib_exp(interface="ib1"), Context(roots=healthy(tmp_path)))
+    assert r.status == FAIL and "'ib1' does not exist" in r.detail and "eth0, ib0, lo" in r.fix
+
+
+def test_interface_without_ipv4(tmp_path):
+    roots = healthy(tmp_path, ifaces={"ib0": "", "eth0": "192.168.1.5/24"})
+    r = d.check_interface(ib_exp(), Context(roots=roots))
+    assert r.status == FAIL and "no IPv4" in r.detail
+
+
+def test_interface_docker_bridge_and_loopback_refused(tmp_path):
+    roots = healthy(tmp_path, ifaces={"docker0": "172.17.0.1/16", "eth0": "192.168.1.5/24"})
+    r = d.check_interface(ib_exp(interface="docker0"), Context(roots=roots))
+    assert r.status == FAIL and "container bridge" in r.detail
+    r = d.check_interface(ib_exp(interface="lo"), Context(roots=roots))
+    assert r.status == FAIL and "loopback" in r.detail
+    assert d.check_interface(ib_exp(interface="lo", allow_loopback=True), Context(roots=roots)).status == OK
+
+
+def test_interface_defaults_to_default_route(tmp_path):
+    r = d.check_interface(ib_exp(interface=None), Context(roots=healthy(tmp_path)))
+    assert r.status == OK and "'eth0'" in r.detail and "192.168.1.5" in r.detail
+
+
+# ----------------------------------------------------------------------------- shm, limits
+def test_shm_size_against_profile(tmp_path):
+    roots = healthy(tmp_path)
+    size = fs_size_bytes(roots.shm)
+    assert size
+    bad = d.check_shm(ib_exp(shm_size="huge", shm_bytes=size + 2**30), Context(roots=roots))
+    assert bad.status == FAIL and "mount -o remount,size=huge" in bad.fix
+    assert d.check_shm(ib_exp(shm_bytes=size - 1), Context(roots=roots)).status == OK
+    # docker/podman give the container its own /dev/shm: the host's size does not matter
+    host = d.check_shm(ib_exp(runtime="docker", shm_bytes=size + 2**30), Context(roots=roots))
+    assert host.status == OK and "--shm-size" in host.detail
+    inside = d.check_shm(ib_exp(runtime="docker", shm_bytes=size + 2**30), Context(roots=roots, in_container=True))
+    assert inside.status == FAIL
+
+
+def test_memlock_for_rdma(tmp_path):
+    r = d.check_memlock(ib_exp(), Context(roots=healthy(tmp_path, memlock="65536")))
+    assert r.status == FAIL and "soft 65536" in r.detail and "limits.conf" in r.fix
+    assert d.check_memlock(ib_exp(), Context(roots=healthy(tmp_path / "u"))).status == OK
+    low = healthy(tmp_path / "c", memlock="65536")
+    assert d.check_memlock(ib_exp(runtime="docker"), Context(roots=low)).status == OK
+    assert d.check_memlock(ib_exp(runtime="docker"), Context(roots=low, in_container=True)).status == FAIL
+    assert d.check_memlock(ib_exp(transport="ethernet"), Context(roots=low)).status == OK
+
+
+@pytest.mark.parametrize("nofile,status", [("512", FAIL), ("4096", WARN), ("65536", OK), ("unlimited", OK)])
+def test_nofile(tmp_path, nofile, status):
+    assert d.check_nofile(ib_exp(), Context(roots=healthy(tmp_path, nofile=nofile))).status == status
+
+
+# ----------------------------------------------------------------------------- ports
+def _free_window(width: int) -> int:
+    for base in range(23000, 29000, 200):
+        if not d.busy_ports(range(base, base + width)):
+            return base
+    pytest.skip("no free port window")
+
+
+def test_port_block_busy_and_free(tmp_path):
+    roots = healthy(tmp_path)
+    (roots.proc / "sys/net/ipv4").mkdir(parents=True)
+    (roots.proc / "sys/net/ipv4/ip_local_port_range").write_text("50000\t60999\n")
+    base = _free_window(40)
+    exp = ib_exp(port_base=base, port_stride=40, port_slots=1)
+    ctx = Context(roots=roots, job_id=7)
+    assert d.job_port_range(7, base, 40, 1) == range(base, base + 40)
+    assert d.check_ports(exp, ctx).status == OK
+    with socket.socket() as s:
+        s.bind(("", base + 5))
+        s.listen()
+        r = d.check_ports(exp, ctx)
+    assert r.status == FAIL and str(base + 5) in r.detail and "ss -ltnp" in r.fix
+    (roots.proc / "sys/net/ipv4/ip_local_port_range").write_text(f"{base}\t60999\n")
+    assert d.check_ports(exp, ctx).status == WARN
+    assert d.check_ports(exp, Context(roots=roots)).status == SKIP
+
+
+# ----------------------------------------------------------------------------- ray, gpus, torch
+def test_ray_version(monkeypatch, tmp_path):
+    ctx = Context(roots=healthy(tmp_path))
+    assert d.check_ray(ib_exp(), ctx).status == OK  # ray 2.60 is installed here
+    monkeypatch.setattr(d.importlib.metadata, "version", lambda name: "2.30.1")
+    r = d.check_ray(ib_exp(), ctx)
+    assert r.status == FAIL and "older than 2.40" in r.detail
+    # on the host of a containerised profile, the image's Ray is what runs: a warning
+    assert d.check_ray(ib_exp(runtime="docker"), ctx).status == WARN
+
+
+def test_gpu_devices(tmp_path):
+    assert d.check_gpu_devices(ib_exp(), Context(roots=healthy(tmp_path))).status == OK
+    r = d.check_gpu_devices(ib_exp(), Context(roots=healthy(tmp_path / "4", nvidia_gpus=4)))
+    assert r.status == FAIL and "sees 4 GPUs" in r.detail
+    r = d.check_gpu_devices(ib_exp(), Context(roots=healthy(tmp_path / "0", nvidia_gpus=None)))
+    assert r.status == FAIL and "no nvidia driver" in r.detail
+    amd = healthy(tmp_path / "amd", nvidia_gpus=None, amd_gpus=8)
+    assert d.check_gpu_devices(ib_exp(accelerator="amd"), Context(roots=amd)).status == OK
+
+
+def test_torch_visibility(tmp_path):
+    ctx = Context(roots=healthy(tmp_path))
+    good = {"torch": "2.6.0", "cuda": "12.4", "hip": None, "gpus": 8}
+    assert d.check_torch(ib_exp(), ctx, good).status == OK
+    r = d.check_torch(ib_exp(), ctx, {"torch": "2.6.0+cpu", "cuda": None, "hip": None, "gpus": 0})
+    assert r.status == FAIL and "CPU build" in r.fix
+    r = d.check_torch(ib_exp(accelerator="amd"), ctx, good)
+    assert r.status == FAIL and "ROCm" in r.fix
+    assert d.check_torch(ib_exp(), ctx, {}).status == FAIL
+
+
+# ----------------------------------------------------------------------------- container runtime
+def fake_runtime(bindir: Path, name: str, body: str) -> None:
+    bindir.mkdir(parents=True, exist_ok=True)
+    p = bindir / name
+    p.write_text("#!/bin/bash\n" + body + "\n")
+    p.chmod(p.stat().st_mode | stat.S_IEXEC)
+
+
+def test_runtime_present_missing_broken(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    fake_runtime(bindir, "podman", 'echo "podman version 9.9.9"')
+    fake_runtime(bindir, "apptainer", 'echo "segfault" >&2; exit 3')
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    ctx = Context(roots=healthy(tmp_path / "n"))
+    r = d.check_runtime(ib_exp(runtime="podman", image="x"), ctx)
+    assert r.status == OK and "9.9.9" in r.detail
+    r = d.check_runtime(ib_exp(runtime="apptainer", image="x"), ctx)
+    assert r.status == FAIL and "segfault" in r.detail
+    r = d.check_runtime(ib_exp(runtime="singularity", image="x"), ctx)
+    assert r.status == FAIL and "not on PATH" in r.detail
+    fake_runtime(bindir, "docker", 'if [ "$1" = info ]; then echo "Cannot connect to the Docker daemon" >&2; '
+                                   'exit 1; fi; echo "Docker version 28"')
+    r = d.check_runtime(ib_exp(runtime="docker", image="x"), ctx)
+    assert r.status == FAIL and "daemon" in r.detail
+    assert d.check_runtime(ib_exp(), ctx).status == SKIP
+
+
+def test_ib_inside_container(tmp_path):
+    roots = healthy(tmp_path)
+    exp = ib_exp(runtime="docker", image="x")
+    assert d.check_container_ib(exp, Context(roots=roots)).status == OK
+    r = d.check_container_ib(ib_exp(runtime="docker", image="x", ib_devices=[]), Context(roots=roots))
+    assert r.status == FAIL and "network.ib_devices" in r.fix
+    r = d.check_container_ib(exp, Context(roots=healthy(tmp_path / "nouv", uverbs=0)))
+    assert r.status == FAIL and "ib_uverbs" in r.fix
+    r = d.check_container_ib(ib_exp(runtime="apptainer", image="x.sif", run_flags=["--containall"]),
+                             Context(roots=roots))
+    assert r.status == FAIL and "--bind" in r.fix
+    r = d.check_container_ib(exp, Context(roots=healthy(tmp_path / "in", uverbs=0), in_container=True))
+    assert r.status == FAIL and "inside the container" in r.detail
+    assert d.check_container_ib(ib_exp(transport="ethernet"), Context(roots=roots)).status == SKIP
+
+
+def test_deep_probe_runs_the_image_once(tmp_path, monkeypatch):
+    """A fake podman that runs the probe's python on the host: no /dev/infiniband there."""
+    bindir = tmp_path / "bin"
+    log = tmp_path / "calls.log"
+    fake_runtime(bindir, "podman", f'echo "$*" >> {log}\n'
+                 'if [ "$1" = --version ]; then echo "podman version 9"; exit 0; fi\n'
+                 'while [ $# -gt 0 ] && [ "$1" != -c ]; do shift; done; shift; '
+                 f'exec {sys.executable} -c "$1"')
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    exp = ib_exp(runtime="podman", image="localhost/img:1", global_flags=["--runtime", "runc"])
+    report = run_doctor(exp, Context(roots=healthy(tmp_path / "n"), deep=True))
+    by = {c.name: c for c in report.checks}
+    assert by["container-run"].status == OK
+    assert by["container-ib"].status == FAIL and "container sees no" in by["container-ib"].detail
+    assert "(in the container)" in by["ray"].detail
+    runs = [ln for ln in log.read_text().splitlines() if " run " in f" {ln} "]
+    assert len(runs) == 1
+    assert "--runtime runc run --rm --network host" in runs[0] and "--device /dev/infiniband" in runs[0]
+
+
+def test_crashing_check_becomes_a_fail_line(tmp_path):
+    def check_boom(exp, ctx):
+        raise RuntimeError("kaput")
+    report = run_doctor(ib_exp(), Context(roots=healthy(tmp_path)), checks=(check_boom,))
+    assert report.failed and report.checks[0].name == "boom" and "kaput" in report.checks[0].detail
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_local_profile_passes_on_this_machine(cli):
+    res = cli("doctor", "--profile", "local", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    assert out["ok"] is True and out["counts"]["FAIL"] == 0
+    assert {c["name"] for c in out["checks"]} >= {"infiniband", "interface", "shm", "memlock", "nofile",
+                                                   "ports", "ray", "torch", "container-runtime"}
+
+
+def test_cli_ib_profile_reports_missing_ib_as_fail(cli):
+    res = cli("doctor", "--profile", "ib-a100", "--json")
+    assert res.returncode == 1
+    checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert checks["infiniband"]["status"] == "FAIL"
+    assert "no InfiniBand devices" in checks["infiniband"]["detail"] and checks["infiniband"]["fix"]
+    assert checks["container-ib"]["status"] == "FAIL"
+    table = cli("doctor", "--profile", "ib-a100")
+    assert table.returncode == 1 and "FAIL" in table.stdout and "modprobe" in table.stdout
+
+
+def test_cli_ib_profile_on_a_healthy_fake_node(cli, tmp_path):
+    roots = healthy(tmp_path)
+    res = cli("doctor", "--profile", "ib-a100", "--set", "container.runtime=podman", "--json",
+              "--sysfs-root", str(roots.sysfs), "--proc-root", str(roots.proc), "--dev-root", str(roots.dev),
+              "--shm-path", str(roots.shm), "--job-id", "3")
+    out = json.loads(res.stdout)
+    statuses = {c["name"]: c["status"] for c in out["checks"]}
+    assert res.returncode == 0, statuses
+    assert statuses["infiniband"] == OK and statuses["interface"] == OK and statuses["container-ib"] == OK
+    assert statuses["gpu-devices"] == OK and statuses["ports"] in (OK, WARN)
+
+
+def test_cli_unknown_profile_is_one_line(cli):
+    res = cli("doctor", "--profile", "nope-xyz")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1
+
+
+def test_fake_tree_matches_real_proc_format():
+    """The fake limits/route formats parse the same way the real /proc does."""
+    from hpc_verl.ops import sysinfo
+    real = sysinfo.process_limits(sysinfo.Roots())
+    assert "Max open files" in real and "Max locked memory" in real
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert real["Max open files"].soft == (None if soft == resource.RLIM_INFINITY else soft)
+    ifaces = sysinfo.interfaces(sysinfo.Roots())
+    assert "127.0.0.1" in ifaces["lo"].ipv4
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True)
+    if out.returncode == 0:
+        for line in out.stdout.splitlines():
+            name, addr = line.split()[1], line.split()[3].split("/")[0]
+            assert addr in ifaces[name].ipv4
