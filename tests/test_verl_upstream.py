@@ -1,0 +1,205 @@
+"""Upstream verl as a trainer: its real config (verl 0.9.1 files, composed with Hydra),
+override validation with did-you-mean, the main_ppo command and the batch arithmetic."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from hpc_verl.errors import ConfigError
+from hpc_verl.launch.checks import check_ppo_arithmetic
+from hpc_verl.verl_upstream import command as vcmd
+from hpc_verl.verl_upstream import config as vconfig
+from hpc_verl.verl_upstream.command import Allocation, build_verl_command
+from hpc_verl.verl_upstream.overrides import check_overrides, parse_override, parse_overrides, suggest_key
+
+needs_verl = pytest.mark.skipif(vconfig.find_verl() is None, reason="upstream verl not installed")
+ROLLOUT = "actor_rollout_ref.rollout.name=vllm"
+A100x2 = Allocation(2, 8, 64, "profile 'ib-a100' (2 nodes)")
+
+
+@pytest.fixture(scope="module")
+def schema():
+    s = vconfig.schema()
+    if s is None:
+        pytest.skip("upstream verl not installed")
+    return s
+
+
+# ----------------------------------------------------------------------------- the key set
+@needs_verl
+def test_composed_key_set_has_the_keys_users_set(schema):
+    for key in ("actor_rollout_ref.rollout.gpu_memory_utilization", "data.train_batch_size", "trainer.nnodes",
+                "trainer.n_gpus_per_node", "ray_kwargs.ray_init.num_cpus", "actor_rollout_ref.rollout.name",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.ppo_mini_batch_size"):
+        assert key in schema.keys, key
+    # containers are keys too (overrides may set a whole section), leaves have defaults
+    assert "actor_rollout_ref.rollout" in schema.keys
+    assert schema.defaults["trainer.nnodes"] == 1
+    assert schema.source == "hydra" and len(schema.keys) > 500
+
+
+@needs_verl
+def test_hydra_composition_matches_the_shipped_snapshot(schema):
+    """Composing the defaults list ourselves and verl's flattened snapshot agree
+    (up to defaults-list group names, which are not config values)."""
+    snap = vconfig.load_schema(str(vconfig.find_verl().package_dir), use_hydra=False)
+    assert snap.source.startswith("_generated")
+    assert snap.keys <= schema.keys
+    assert schema.keys - snap.keys <= schema.groups
+
+
+# ----------------------------------------------------------------------------- overrides
+def test_parse_override_forms():
+    assert parse_override("a.b=1").op == "set"
+    assert parse_override("+a.b=1").op == "add"
+    assert parse_override("++a.b=1").op == "force_add"
+    d = parse_override("~a.b")
+    assert d.op == "delete" and d.value is None
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_override("trainer.nnodes")
+    with pytest.raises(ConfigError, match="not a dotted config key"):
+        parse_override("trainer nnodes=2")
+
+
+@needs_verl
+@pytest.mark.parametrize("typo,meant", [
+    ("trainer.nnode", "trainer.nnodes"),
+    ("actor_rollout_ref.rollout.gpu_memory_utilisation", "actor_rollout_ref.rollout.gpu_memory_utilization"),
+    ("actor_rollout_ref.rollout.tensor_parallel_size", "actor_rollout_ref.rollout.tensor_model_parallel_size"),
+    ("data.train_batch", "data.train_batch_size"),
+    ("trainer.total_epoch", "trainer.total_epochs"),
+])
+def test_did_you_mean_on_full_dotted_keys(schema, typo, meant):
+    assert suggest_key(typo, schema.keys) == meant
+    (line,) = check_overrides(parse_overrides([f"{typo}=1"]), schema)
+    assert f"unknown key '{typo}'" in line and f"did you mean '{meant}'" in line and "\n" not in line
+
+
+@needs_verl
+def test_no_suggestion_for_nonsense(schema):
+    assert suggest_key("trainer.zzzzqqq", schema.keys) is None
+
+
+@needs_verl
+def test_append_force_delete_and_groups(schema):
+    ok = parse_overrides(["+trainer.my_new_key=1", "++trainer.nnodes=2", "model_engine=dp", "~trainer.logger",
+                          "trainer.logger=[console,wandb]"])
+    assert check_overrides(ok, schema) == []
+    (line,) = check_overrides(parse_overrides(["+trainer.nnodes=2"]), schema)
+    assert "already exists" in line and "drop the '+'" in line
+    (line,) = check_overrides(parse_overrides(["trainer.nnodes=two"]), schema)
+    assert "expects an integer" in line
+    (line,) = check_overrides(parse_overrides(["actor_rollout_ref.actor.fsdp_config.param_offload=yes"]), schema)
+    assert "true or false" in line
+
+
+# ----------------------------------------------------------------------------- command
+@needs_verl
+def test_command_derives_allocation_and_composes():
+    cmd = build_verl_command([ROLLOUT, "data.train_batch_size=1024", "trainer.total_epochs=2"], A100x2)
+    assert cmd.argv[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+    assert cmd.derived == ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
+    assert cmd.env_required == ["RAY_ADDRESS"] and cmd.verl_version
+    cfg = vcmd.resolved_config(cmd.overrides)
+    assert cfg["trainer"]["nnodes"] == 2 and cfg["trainer"]["n_gpus_per_node"] == 8
+    assert cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm"
+    assert cfg["ray_kwargs"]["ray_init"]["num_cpus"] is None
+
+
+def test_allocation_values_are_never_typed_twice():
+    same = build_verl_command([ROLLOUT, "trainer.nnodes=2"], A100x2, check_keys=False)
+    assert same.overrides.count("trainer.nnodes=2") == 1
+    with pytest.raises(ConfigError) as e:
+        build_verl_command([ROLLOUT, "trainer.nnodes=4"], A100x2, check_keys=False)
+    assert "trainer.nnodes=4" in str(e.value) and "has 2 nodes" in str(e.value)
+    with pytest.raises(ConfigError, match="has 8 GPUs per node"):
+        build_verl_command([ROLLOUT, "trainer.n_gpus_per_node=4"], A100x2, check_keys=False)
+
+
+def test_num_cpus_depends_on_who_starts_ray():
+    with pytest.raises(ConfigError, match="Ray refuses num_cpus when connecting"):
+        build_verl_command([ROLLOUT, "ray_kwargs.ray_init.num_cpus=8"], A100x2, check_keys=False)
+    own = build_verl_command([ROLLOUT], Allocation(1, 8, 64), attach_to_ray=False, check_keys=False)
+    assert "ray_kwargs.ray_init.num_cpus=64" in own.derived and own.env_required == []
+
+
+def test_rollout_name_is_required():
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.name' is required"):
+        build_verl_command(["data.train_batch_size=1024"], A100x2, check_keys=False)
+
+
+@needs_verl
+def test_misspelt_override_refused_with_did_you_mean():
+    with pytest.raises(ConfigError) as e:
+        build_verl_command([ROLLOUT, "actor_rollout_ref.rollout.gpu_memory_utilisation=0.9"], A100x2)
+    msg = str(e.value)
+    assert "did you mean 'actor_rollout_ref.rollout.gpu_memory_utilization'" in msg and "\n" not in msg
+
+
+@needs_verl
+def test_batch_not_dividing_gpus_refused_with_numbers():
+    with pytest.raises(ConfigError) as e:
+        build_verl_command([ROLLOUT, "data.train_batch_size=1000"], A100x2)
+    msg = str(e.value)
+    assert "1000" in msg and "16 GPUs" in msg and "992 or 1008" in msg
+
+
+def test_without_verl_keys_are_skipped_with_a_warning(monkeypatch):
+    monkeypatch.setattr(vconfig, "find_verl", lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cmd = build_verl_command([ROLLOUT, "trainer.nnode=3"], A100x2)
+    assert any("not installed" in str(w.message) for w in caught)
+    assert cmd.warnings and "trainer.nnode=3" in cmd.user
+    # arithmetic still runs on the user's own values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigError, match="not divisible"):
+            build_verl_command([ROLLOUT, "data.train_batch_size=1000"], A100x2)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+def _cfg(tbs=1024, n=1, tp=2, mini=256, micro=None, sp=1, dyn=False, critic=True):
+    actor = {"ppo_mini_batch_size": mini, "ppo_micro_batch_size_per_gpu": micro,
+             "ulysses_sequence_parallel_size": sp, "use_dynamic_bsz": dyn}
+    cfg = {"data": {"train_batch_size": tbs},
+           "actor_rollout_ref": {"actor": actor, "rollout": {"n": n, "tensor_model_parallel_size": tp}},
+           "algorithm": {"adv_estimator": "gae" if critic else "grpo"}}
+    if critic:
+        cfg["critic"] = {"ppo_mini_batch_size": mini, "ppo_micro_batch_size_per_gpu": micro}
+    return cfg
+
+
+def test_arithmetic_good_config_passes():
+    assert check_ppo_arithmetic(_cfg(micro=4), 2, 8) == []
+
+
+def test_arithmetic_batch_times_n():
+    (msg,) = check_ppo_arithmetic(_cfg(tbs=100, n=1, mini=16, critic=False), 2, 8)[:1]
+    assert "data.train_batch_size (100)" in msg and "16 GPUs" in msg
+    # rollout.n makes up for it: 100 × 4 = 400 = 16 × 25
+    assert not [p for p in check_ppo_arithmetic(_cfg(tbs=100, n=4, mini=64, critic=False), 2, 8)
+                if "train_batch_size (100)" in p]
+
+
+def test_arithmetic_tp_and_micro_batches():
+    probs = check_ppo_arithmetic(_cfg(tp=3, critic=False), 1, 8)
+    assert any("tensor_model_parallel_size (3) does not divide the 8 GPUs per node" in p for p in probs)
+    probs = check_ppo_arithmetic(_cfg(micro=3, critic=False), 2, 8)
+    assert any("ppo_micro_batch_size_per_gpu (3) does not divide the per-GPU mini-batch 16" in p for p in probs)
+    probs = check_ppo_arithmetic(_cfg(mini=24, critic=False), 2, 8)
+    assert any("24" in p and "16 data-parallel ranks" in p for p in probs)
+    probs = check_ppo_arithmetic(_cfg(tbs=128, mini=256, critic=False), 2, 8)
+    assert any("smaller than actor_rollout_ref.actor.ppo_mini_batch_size (256)" in p for p in probs)
+    # the critic has its own mini/micro batches
+    assert any(p.startswith("critic.") for p in check_ppo_arithmetic(_cfg(micro=3), 2, 8))
+    # dynamic batch sizes skip the per-GPU checks, as verl does
+    assert check_ppo_arithmetic(_cfg(tbs=1000, dyn=True, micro=3, critic=False), 2, 8) == []
+
+
+def test_arithmetic_on_flat_keys():
+    flat = {"data.train_batch_size": 1000, "actor_rollout_ref.rollout.n": 1}
+    (msg,) = check_ppo_arithmetic(flat, 2, 8)
+    assert "1000" in msg
