@@ -71,6 +71,20 @@ def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int
             problems.append(f"data.train_batch_size ({tbs}) × {_ROLLOUT}.n ({n}) = {total} is not divisible "
                             f"by the {where}: every GPU must get the same number of samples; use e.g. {fix}")
 
+    problems += check_tensor_parallel(cfg, gpus_per_node)
+
+    for role in (_ACTOR, "critic"):
+        if role == "critic" and not _uses_critic(cfg):
+            continue
+        if bool(get_path(cfg, f"{role}.use_dynamic_bsz", dynamic)):
+            continue
+        problems += _check_minibatch(cfg, role, tbs, n, n_gpus, where)
+    return problems
+
+
+def check_tensor_parallel(cfg: Mapping[str, Any], gpus_per_node: int) -> list[str]:
+    """The rollout tensor-parallel group must fit inside one node and divide its GPUs."""
+    problems: list[str] = []
     tp = _int(get_path(cfg, f"{_ROLLOUT}.tensor_model_parallel_size"))
     if tp is not None and gpus_per_node > 0:
         if tp < 1:
@@ -80,13 +94,6 @@ def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int
             problems.append(f"{_ROLLOUT}.tensor_model_parallel_size ({tp}) does not divide the "
                             f"{gpus_per_node} GPUs per node: a tensor-parallel group must sit inside one "
                             f"node; use one of {', '.join(map(str, divisors))}")
-
-    for role in (_ACTOR, "critic"):
-        if role == "critic" and not _uses_critic(cfg):
-            continue
-        if bool(get_path(cfg, f"{role}.use_dynamic_bsz", dynamic)):
-            continue
-        problems += _check_minibatch(cfg, role, tbs, n, n_gpus, where)
     return problems
 
 
@@ -143,13 +150,12 @@ def _gcd(a: int, b: int) -> int:
 def check_trainer_config(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int) -> list[str]:
     """Arithmetic problems for the built-in trainer's config.
 
-    Uses the trainer's own ``check_batch_arithmetic`` when that module is present
-    (it knows its own keys best) and adds the checks here that it does not make.
+    The batch checks are the trainer's own ``check_batch_arithmetic`` (it knows
+    its defaults); the tensor-parallel check, which it does not make, is added
+    here. Without the trainer module, the checks above stand in.
     """
-    problems = check_ppo_arithmetic(cfg, nnodes, gpus_per_node)
     try:
-        from hpc_verl.trainer.config import check_batch_arithmetic  # type: ignore[attr-defined]
+        from hpc_verl.trainer.config import check_batch_arithmetic
     except ImportError:
-        return problems
-    theirs = check_batch_arithmetic(dict(cfg), max(1, nnodes * gpus_per_node))
-    return list(theirs) + [p for p in problems if p not in theirs]
+        return check_ppo_arithmetic(cfg, nnodes, gpus_per_node)
+    return list(check_batch_arithmetic(cfg, nnodes * gpus_per_node)) + check_tensor_parallel(cfg, gpus_per_node)

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Write docs/cli.md from the CLI's own argparse parsers, so the reference lists
+every verb and option that exists. Run after adding or changing a verb:
+
+    PYTHONPATH=. python scripts/gen_cli_docs.py          # rewrite docs/cli.md
+    PYTHONPATH=. python scripts/gen_cli_docs.py --check  # exit 1 if it is stale
+
+tests/test_docs.py runs the check.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+HEADER = """# CLI reference
+
+`hpc-verl VERB [options]`. Every user error is one line on stderr and exit
+status 2; `doctor` exits 1 when a check FAILs. Profiles are looked up by name on
+the search path (`./cluster_profiles`, the user directory,
+`$HPC_VERL_PROFILE_PATH`, the shipped ones) or given as a path to a `.yaml`
+file; `--set key=value` overrides a profile value for one command.
+
+This file is generated from the parsers by `scripts/gen_cli_docs.py` (the
+tests fail when it is stale). Examples are kept in that script.
+"""
+
+# Hand-written examples per verb (shown under the verb's help).
+EXAMPLES: dict[str, str] = {
+    "profiles": """hpc-verl profiles list
+hpc-verl profiles show ib-a100 --set slurm.nodes=4""",
+    "doctor": """# on a compute node (or inside the job before Ray starts)
+hpc-verl doctor --profile ib-a100
+hpc-verl doctor --profile ib-a100 --job-id "$SLURM_JOB_ID" --deep   # also look inside the container
+hpc-verl doctor --profile local --json | jq '.checks[] | select(.status != "OK")'""",
+    "plan": """hpc-verl plan --profile ib-a100 --nodes 4 --model-size 7B
+# paste the overrides into a submission
+hpc-verl submit --profile ib-a100 --config job.yaml $(hpc-verl plan --profile ib-a100 --nodes 4 --format overrides)""",
+}
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:  # argparse keeps no public accessor
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def render() -> str:
+    os.environ["COLUMNS"] = "100"
+    from hpc_verl.cli.main import VERB_MODULES, build_parser
+
+    parser = build_parser()
+    verbs = _subparsers(parser)
+    out = [HEADER, "Verbs: " + ", ".join(f"[`{v}`](#hpc-verl-{v})" for v in VERB_MODULES) + "\n"]
+    for name in VERB_MODULES:
+        sub = verbs[name]
+        out.append(f"## hpc-verl {name}\n")
+        out.append("```text\n" + sub.format_help().replace(sys.argv[0], "hpc-verl").rstrip() + "\n```\n")
+        for child_name, child in _subparsers(sub).items():
+            out.append(f"### hpc-verl {name} {child_name}\n")
+            out.append("```text\n" + child.format_help().rstrip() + "\n```\n")
+        if name in EXAMPLES:
+            out.append("Examples:\n\n```bash\n" + EXAMPLES[name] + "\n```\n")
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/cli.md is not up to date")
+    args = ap.parse_args()
+    target = REPO / "docs" / "cli.md"
+    text = render()
+    if args.check:
+        if not target.is_file() or target.read_text() != text:
+            print("docs/cli.md is stale: run PYTHONPATH=. python scripts/gen_cli_docs.py", file=sys.stderr)
+            return 1
+        return 0
+    from hpc_verl.util.fs import atomic_write_text
+
+    atomic_write_text(target, text)
+    print(f"wrote {target.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The docs this project owns stay in step with the code: the CLI reference is
+generated from the parsers, and the troubleshooting page names every doctor check."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from hpc_verl.ops.doctor import CHECKS, Context, Expectations, run_doctor
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_cli_reference_is_up_to_date():
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_cli_docs.py"), "--check"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+
+
+def test_cli_reference_lists_every_verb():
+    from hpc_verl.cli.main import VERB_MODULES
+    text = (REPO / "docs" / "cli.md").read_text()
+    for verb in VERB_MODULES:
+        assert f"## hpc-verl {verb}\n" in text
+
+
+def test_troubleshooting_names_every_doctor_check():
+    text = (REPO / "docs" / "troubleshooting.md").read_text()
+    names = {c.name for c in run_doctor(Expectations(), Context()).checks}
+    assert len(names) == len(CHECKS)
+    documented = set(re.findall(r"^\| `([a-z-]+)` \|", text, flags=re.M))
+    assert names <= documented, names - documented
+    for heading in ("Nodes cannot connect", "Multi-node is slower than one node",
+                    "NCCL on sockets instead of InfiniBand", "Rollout latency", "Raylet registration"):
+        assert f"## {heading}" in text
