@@ -203,3 +203,17 @@ def test_arithmetic_on_flat_keys():
     flat = {"data.train_batch_size": 1000, "actor_rollout_ref.rollout.n": 1}
     (msg,) = check_ppo_arithmetic(flat, 2, 8)
     assert "1000" in msg
+
+
+def test_ray_itself_refuses_num_cpus_when_attaching():
+    """Why num_cpus is not derived in attach mode: verl's main_ppo calls
+    ray.init(**ray_kwargs.ray_init) and, with RAY_ADDRESS set, Ray raises before
+    connecting (port 1: nothing is started or reached)."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("ray")
+    code = ("import ray\ntry:\n ray.init(num_cpus=2)\nexcept ValueError as e:\n print('REFUSED', e)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1", "RAY_USAGE_STATS_ENABLED": "0"})
+    assert "REFUSED" in res.stdout and "num_cpus" in res.stdout, res.stdout + res.stderr

@@ -1,0 +1,86 @@
+"""Validate a job's trainer before submission: upstream verl or the built-in trainer.
+
+The hook the launcher calls (render, validate, submit) on the login node, CPU
+only. A job chooses its trainer with ``trainer.module`` in the job file:
+``verl.trainer.main_ppo`` is upstream verl, anything else the built-in trainer
+(``hpc_verl.trainer.main``). For verl, the overrides must be keys of verl's own
+config, compose with it, and satisfy the batch arithmetic on the profile's
+allocation; ``trainer.nnodes``/``trainer.n_gpus_per_node`` come from the
+allocation and a disagreeing override is refused. The built-in trainer's config
+gets the same allocation and arithmetic checks through its own loader.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpc_verl.errors import ConfigError
+from hpc_verl.launch.checks import check_trainer_config
+from hpc_verl.verl_upstream.command import MODULE as VERL_MODULE
+from hpc_verl.verl_upstream.command import Allocation, VerlCommand, build_verl_command
+
+ALLOCATION_KEYS = ("trainer.nnodes", "trainer.n_gpus_per_node")
+
+
+@dataclass
+class TrainerCheck:
+    """What validation found: the trainer kind, the verl command (verl jobs), warnings."""
+
+    kind: str  # "verl" | "builtin"
+    command: VerlCommand | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def trainer_kind(job: Any) -> str:
+    """``verl`` when the job runs upstream verl's main_ppo, else ``builtin``."""
+    return "verl" if getattr(job.trainer, "module", "") == VERL_MODULE else "builtin"
+
+
+def allocation_of(profile: Any, nodes: int | None = None) -> Allocation:
+    n = nodes if nodes is not None else profile.slurm.nodes
+    gpn = profile.slurm.gpus_per_node
+    return Allocation(n, gpn, profile.slurm.cpus_per_task,
+                      source=f"profile '{profile.name}' ({n} node(s) × {gpn} GPU(s))")
+
+
+def _user_overrides(job: Any) -> list[str]:
+    return list(job.trainer_override_args())
+
+
+def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> TrainerCheck:
+    """Raise ConfigError (one line) if the job's trainer config cannot run on this allocation."""
+    alloc = allocation_of(profile, nodes)
+    if trainer_kind(job) == "verl":
+        cmd = build_verl_command(_user_overrides(job), alloc, python=getattr(profile.ray, "python", "python3"),
+                                 attach_to_ray=True, where=f"job config {job.source}: verl override")
+        return TrainerCheck("verl", cmd, list(cmd.warnings))
+    return _validate_builtin(profile, job, alloc)
+
+
+def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck:
+    try:
+        from hpc_verl.trainer.config import load_config
+    except ImportError:
+        return TrainerCheck("builtin", warnings=["built-in trainer config not available: not checked"])
+    overrides = _user_overrides(job)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        key = key.lstrip("+~")
+        if key in ALLOCATION_KEYS:
+            actual = alloc.nnodes if key == "trainer.nnodes" else alloc.gpus_per_node
+            if value.strip() != str(actual):
+                raise ConfigError(f"job config {job.source}: override '{item}' disagrees with {alloc.source}; "
+                                  f"hpc-verl sets {key} from the allocation: drop the override")
+    derived = [f"trainer.nnodes={alloc.nnodes}", f"trainer.n_gpus_per_node={alloc.gpus_per_node}"]
+    if alloc.gpus_per_node == 0:
+        derived.append("trainer.device=cpu")
+    try:
+        cfg = load_config(None, overrides=[*derived, *[o for o in overrides
+                                                       if o.split("=", 1)[0].lstrip("+~") not in ALLOCATION_KEYS]])
+    except ConfigError as exc:
+        raise ConfigError(f"job config {job.source}: {exc}") from None
+    problems = check_trainer_config(cfg, alloc.nnodes, alloc.gpus_per_node)
+    if problems:
+        extra = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(f"job config {job.source} on {alloc.source}: {problems[0]}{extra}")
+    return TrainerCheck("builtin")
