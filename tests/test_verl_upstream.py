@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.launch.checks import check_ppo_arithmetic
+from hpc_verl.launch.batch_checks import check_ppo_arithmetic
 from hpc_verl.verl_upstream import command as vcmd
 from hpc_verl.verl_upstream import config as vconfig
 from hpc_verl.verl_upstream.command import Allocation, build_verl_command

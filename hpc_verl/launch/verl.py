@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.launch.checks import check_trainer_config
+from hpc_verl.launch.batch_checks import check_trainer_config
 from hpc_verl.verl_upstream.command import MODULE as VERL_MODULE
 from hpc_verl.verl_upstream.command import Allocation, VerlCommand, build_verl_command
 

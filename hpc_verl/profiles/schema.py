@@ -221,6 +221,8 @@ class ContainerSection:
                            "model and cache directories are always mounted at their own paths", item_check=_mount)
     devices: list[str] = _f(default_factory=list, doc="extra host devices to pass in (`/dev/...`)",
                             item_check=_device)
+    start_timeout_s: int = _f(600, doc="bound on starting the containers on all nodes (image pulls included)",
+                              check=_between(10, 7200))
 
 
 @dataclass
