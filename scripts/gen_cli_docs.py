@@ -33,6 +33,10 @@ tests fail when it is stale). Examples are kept in that script.
 EXAMPLES: dict[str, str] = {
     "profiles": """hpc-verl profiles list
 hpc-verl profiles show ib-a100 --set slurm.nodes=4""",
+    "render": """hpc-verl render --profile ib-a100 --config job.yaml trainer.total_epochs=2 -o job.sbatch
+hpc-verl render --profile local --check""",
+    "validate": """hpc-verl validate --profile ib-a100
+hpc-verl validate --all""",
     "doctor": """# on a compute node (or inside the job before Ray starts)
 hpc-verl doctor --profile ib-a100
 hpc-verl doctor --profile ib-a100 --job-id "$SLURM_JOB_ID" --deep   # also look inside the container

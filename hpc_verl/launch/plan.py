@@ -85,6 +85,9 @@ def build_plan(profile: Union[Profile, str], job_config: Union[JobConfig, str, N
             job.trainer.overrides.update(extra.trainer.overrides)
     else:
         job = load_job_config(job_config, overrides)
+    # trainer keys and batch arithmetic, before anything is rendered or submitted
+    from hpc_verl.launch.verl import validate_job_trainer
+    validate_job_trainer(profile, job)
     script = render_sbatch(profile, job)
     opts = sbatch_options(profile, job) if profile.scheduler == "slurm" else []
     return LaunchPlan(profile=profile, job=job, script=script, sbatch_options=opts)

@@ -72,14 +72,15 @@ def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck
                 raise ConfigError(f"job config {job.source}: override '{item}' disagrees with {alloc.source}; "
                                   f"hpc-verl sets {key} from the allocation: drop the override")
     derived = [f"trainer.nnodes={alloc.nnodes}", f"trainer.n_gpus_per_node={alloc.gpus_per_node}"]
-    if alloc.gpus_per_node == 0:
-        derived.append("trainer.device=cpu")
+    gpus = alloc.gpus_per_node
+    if profile.accelerator in ("none", "fake"):  # CPU workers: no per-GPU split to check
+        gpus = 0
     try:
         cfg = load_config(None, overrides=[*derived, *[o for o in overrides
                                                        if o.split("=", 1)[0].lstrip("+~") not in ALLOCATION_KEYS]])
     except ConfigError as exc:
         raise ConfigError(f"job config {job.source}: {exc}") from None
-    problems = check_trainer_config(cfg, alloc.nnodes, alloc.gpus_per_node)
+    problems = check_trainer_config(cfg, alloc.nnodes, gpus)
     if problems:
         extra = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConfigError(f"job config {job.source} on {alloc.source}: {problems[0]}{extra}")

@@ -1,0 +1,93 @@
+"""A job that chooses upstream verl (trainer.module: verl.trainer.main_ppo), end to end
+through the launcher's render: refused before anything is written or submitted when an
+override is misspelt or the batch does not divide across the GPUs; rendered otherwise."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from hpc_verl.launch.jobconfig import JobConfig, load_job_config
+from hpc_verl.launch.render import derived_overrides
+from hpc_verl.launch.verl import trainer_kind, validate_job_trainer
+from hpc_verl.profiles import load_profile
+from hpc_verl.verl_upstream import config as vconfig
+
+needs_verl = pytest.mark.skipif(vconfig.find_verl() is None, reason="upstream verl not installed")
+
+JOB = """\
+name: verl-gsm8k
+trainer:
+  module: verl.trainer.main_ppo
+  overrides:
+    actor_rollout_ref.rollout.name: vllm
+    data.train_batch_size: {tbs}
+    actor_rollout_ref.actor.ppo_mini_batch_size: 256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: 4
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu: 8
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu: 8
+    critic.ppo_micro_batch_size_per_gpu: 4
+{extra}"""
+
+
+def job_file(tmp_path, tbs=1024, extra=""):
+    p = tmp_path / "job.yaml"
+    p.write_text(JOB.format(tbs=tbs, extra=textwrap.indent(extra, "    ")))
+    return p
+
+
+@needs_verl
+def test_verl_job_renders_main_ppo(cli, tmp_path):
+    out = tmp_path / "job.sbatch"
+    res = cli("render", "--profile", "ib-a100", "--config", str(job_file(tmp_path)), "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    script = out.read_text()
+    assert "verl.trainer.main_ppo" in script and "actor_rollout_ref.rollout.name=vllm" in script
+
+
+@needs_verl
+def test_misspelt_override_refused_before_anything_is_written(cli, tmp_path):
+    out = tmp_path / "job.sbatch"
+    res = cli("render", "--profile", "ib-a100", "--config", str(job_file(tmp_path)),
+              "actor_rollout_ref.rollout.gpu_memory_utilisation=0.9", "-o", str(out))
+    assert res.returncode == 2 and not out.exists()
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert "did you mean 'actor_rollout_ref.rollout.gpu_memory_utilization'" in line
+    assert "Traceback" not in res.stderr
+
+
+@needs_verl
+def test_batch_not_dividing_gpus_refused_with_numbers(cli, tmp_path):
+    res = cli("render", "--profile", "ib-a100", "--config", str(job_file(tmp_path, tbs=1000)))
+    assert res.returncode == 2
+    assert "data.train_batch_size (1000)" in res.stderr and "16 GPUs" in res.stderr
+    # the same job on 5 nodes of 8: 1000 x 1 is not divisible by 40 either, 1040 is
+    res = cli("render", "--profile", "ib-a100", "--set", "slurm.nodes=5", "--config",
+              str(job_file(tmp_path, tbs=1040)), "actor_rollout_ref.actor.ppo_mini_batch_size=520",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1")
+    assert res.returncode == 0, res.stderr
+
+
+def test_allocation_keys_never_typed_twice(tmp_path):
+    profile = load_profile("ib-a100")
+    job = load_job_config(str(job_file(tmp_path, extra="trainer.nnodes: 4\n")))
+    with pytest.raises(Exception) as e:
+        validate_job_trainer(profile, job)
+    assert "trainer.nnodes=4" in str(e.value) and "2 node(s)" in str(e.value)
+
+
+@needs_verl
+def test_launcher_derived_keys_are_verl_keys(tmp_path):
+    """The launcher adds data paths, checkpoint dir and model path: all must exist in verl."""
+    schema = vconfig.schema()
+    job = load_job_config(str(job_file(tmp_path)))
+    job.model.path = "models/m"
+    for key, _ in derived_overrides(load_profile("ib-a100"), job):
+        assert key in schema.keys, key
+
+
+def test_trainer_kind():
+    assert trainer_kind(JobConfig()) == "builtin"
+    job = JobConfig()
+    job.trainer.module = "verl.trainer.main_ppo"
+    assert trainer_kind(job) == "verl"
