@@ -56,13 +56,12 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 def render() -> str:
     os.environ["COLUMNS"] = "100"
-    from hpc_verl.cli.main import VERB_MODULES, build_parser
+    from hpc_verl.cli.main import build_parser
 
     parser = build_parser()
-    verbs = _subparsers(parser)
-    out = [HEADER, "Verbs: " + ", ".join(f"[`{v}`](#hpc-verl-{v})" for v in VERB_MODULES) + "\n"]
-    for name in VERB_MODULES:
-        sub = verbs[name]
+    verbs = _subparsers(parser)  # verb name -> parser, in VERB_MODULES order
+    out = [HEADER, "Verbs: " + ", ".join(f"[`{v}`](#hpc-verl-{v})" for v in verbs) + "\n"]
+    for name, sub in verbs.items():
         out.append(f"## hpc-verl {name}\n")
         out.append("```text\n" + sub.format_help().replace(sys.argv[0], "hpc-verl").rstrip() + "\n```\n")
         for child_name, child in _subparsers(sub).items():

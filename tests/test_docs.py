@@ -19,9 +19,11 @@ def test_cli_reference_is_up_to_date():
 
 
 def test_cli_reference_lists_every_verb():
-    from hpc_verl.cli.main import VERB_MODULES
+    from hpc_verl.cli.main import build_parser
     text = (REPO / "docs" / "cli.md").read_text()
-    for verb in VERB_MODULES:
+    verbs = [a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction"][0].choices
+    assert len(verbs) >= 5
+    for verb in verbs:
         assert f"## hpc-verl {verb}\n" in text
 
 
