@@ -11,7 +11,13 @@ from typing import Any
 from hpc_verl._version import __version__
 
 # public name -> module that defines it
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "build_verl_command": "hpc_verl.verl_upstream.command",
+    "validate_job_trainer": "hpc_verl.launch.verl",
+    "check_ppo_arithmetic": "hpc_verl.launch.batch_checks",
+    "run_doctor": "hpc_verl.ops.doctor",
+    "make_plan": "hpc_verl.ops.plan",
+}
 
 
 def __getattr__(name: str) -> Any:

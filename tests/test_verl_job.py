@@ -91,3 +91,22 @@ def test_trainer_kind():
     job = JobConfig()
     job.trainer.module = "verl.trainer.main_ppo"
     assert trainer_kind(job) == "verl"
+
+
+def test_builtin_trainer_gets_the_same_arithmetic(tmp_path):
+    """Through the trainer's own config loader when it is present (the trainer branch)."""
+    pytest.importorskip("hpc_verl.trainer.config")
+    from hpc_verl.errors import ConfigError
+
+    profile = load_profile("ib-a100")
+    job = load_job_config(None, ["data.train_batch_size=1000"])
+    with pytest.raises(ConfigError) as e:
+        validate_job_trainer(profile, job)
+    assert "1000" in str(e.value) and "16" in str(e.value)
+    job = load_job_config(None, ["actor_rollout_ref.rollout.tensor_model_parallel_size=3"])
+    with pytest.raises(ConfigError, match="does not divide the 8 GPUs per node"):
+        validate_job_trainer(profile, job)
+    job = load_job_config(None, ["trainer.n_gpus_per_node=4"])
+    with pytest.raises(ConfigError, match="disagrees with profile 'ib-a100'"):
+        validate_job_trainer(profile, job)
+    assert validate_job_trainer(profile, load_job_config(None, [])).kind == "builtin"
