@@ -312,3 +312,13 @@ def test_fake_tree_matches_real_proc_format():
         for line in out.stdout.splitlines():
             name, addr = line.split()[1], line.split()[3].split("/")[0]
             assert addr in ifaces[name].ipv4
+
+
+def test_nofile_of_the_container_comes_from_its_ulimit_flag(tmp_path):
+    roots = healthy(tmp_path, nofile="1048576")
+    exp = ib_exp(runtime="podman", image="x", run_flags=["--ulimit", "nofile=1024:1024", "--ulimit=nproc=99"])
+    r = d.check_nofile(exp, Context(roots=roots))
+    assert r.status == WARN and "soft 1024" in r.detail and "--ulimit" in r.detail
+    exp = ib_exp(runtime="podman", image="x", run_flags=["--ulimit=nofile=512"])
+    assert d.check_nofile(exp, Context(roots=roots)).status == FAIL
+    assert d.check_nofile(exp, Context(roots=roots, in_container=True)).status == OK

@@ -215,12 +215,31 @@ def check_memlock(exp: Expectations, ctx: Context) -> CheckResult:
     return CheckResult(name, OK, text)
 
 
+def container_ulimit(exp: Expectations, resource: str) -> sysinfo.Limit | None:
+    """The ``--ulimit RESOURCE=soft[:hard]`` a docker/podman profile passes in its run flags."""
+    flags = exp.run_flags
+    for i, flag in enumerate(flags):
+        value = flag.split("=", 1)[1] if flag.startswith("--ulimit=") else \
+            flags[i + 1] if flag == "--ulimit" and i + 1 < len(flags) else None
+        if value and value.startswith(resource + "="):
+            soft, _, hard = value.split("=", 1)[1].partition(":")
+            conv = [None if v in ("-1", "unlimited") else int(v) if v.isdigit() else None
+                    for v in (soft, hard or soft)]
+            return sysinfo.Limit(conv[0], conv[1])
+    return None
+
+
 def check_nofile(exp: Expectations, ctx: Context) -> CheckResult:
     name = "nofile"
     lim = sysinfo.process_limits(ctx.roots).get("Max open files")
+    where = ""
+    if exp.isolating_runtime and not ctx.in_container:
+        flag = container_ulimit(exp, "nofile")
+        if flag is not None:
+            lim, where = flag, " (the container's --ulimit from container.run_flags)"
     if lim is None:
         return CheckResult(name, WARN, "cannot read the open-files limit", "check 'ulimit -n'")
-    text = f"soft {_fmt_limit(lim.soft)}, hard {_fmt_limit(lim.hard)}"
+    text = f"soft {_fmt_limit(lim.soft)}, hard {_fmt_limit(lim.hard)}{where}"
     if lim.soft is not None and lim.soft < 1024:
         return CheckResult(name, FAIL, f"{text}: Ray runs out of file descriptors",
                            f"raise it: 'ulimit -n {NOFILE_WANTED}' (limits.conf nofile)")
@@ -269,6 +288,11 @@ def check_ports(exp: Expectations, ctx: Context) -> CheckResult:
     span = f"{rng.start}-{rng.stop - 1}"
     if busy:
         shown = ", ".join(map(str, busy[:8])) + (" ..." if len(busy) > 8 else "")
+        moved = _bootstrap_fallback(ctx.job_id, exp)
+        if moved is not None:
+            return CheckResult(name, WARN, f"job {ctx.job_id}'s Ray port block {span}: {len(busy)} in use "
+                               f"({shown}); the bootstrap will move to the free block at {moved}",
+                               f"find the holder with 'ss -ltnp | grep :{busy[0]}'")
         return CheckResult(name, FAIL, f"job {ctx.job_id}'s Ray port block {span}: {len(busy)} in use "
                            f"({shown})", f"find the holder with 'ss -ltnp | grep :{busy[0]}'; if it is not "
                            "an older run of this job, change ray.port_base in the profile")
@@ -279,6 +303,22 @@ def check_ports(exp: Expectations, ctx: Context) -> CheckResult:
                            "move ray.port_base below the ephemeral range "
                            "(/proc/sys/net/ipv4/ip_local_port_range)")
     return CheckResult(name, OK, f"job {ctx.job_id}'s Ray port block {span} is free")
+
+
+def _bootstrap_fallback(job_id: int, exp: Expectations) -> int | None:
+    """Where the bootstrap's own port picker would go instead (None: it would fail, or is absent)."""
+    try:
+        from hpc_verl.bootstrap.ports import pick_node_ports
+    except ImportError:
+        return None
+    from hpc_verl.errors import HpcVerlError
+
+    try:
+        block = pick_node_ports(job_id, head=True, port_base=exp.port_base, port_stride=exp.port_stride,
+                                port_slots=exp.port_slots)
+    except HpcVerlError:
+        return None
+    return block.block_start
 
 
 def _ephemeral_range(ctx: Context) -> tuple[int, int]:
