@@ -260,23 +260,24 @@ def test_crashing_check_becomes_a_fail_line(tmp_path):
 
 # ----------------------------------------------------------------------------- CLI
 def test_cli_local_profile_passes_on_this_machine(cli):
-    res = cli("doctor", "--profile", "local", "--json")
+    res = cli("doctor", "--profile", "local")
     assert res.returncode == 0, res.stdout + res.stderr
-    out = json.loads(res.stdout)
-    assert out["ok"] is True and out["counts"]["FAIL"] == 0
-    assert {c["name"] for c in out["checks"]} >= {"infiniband", "interface", "shm", "memlock", "nofile",
-                                                   "ports", "ray", "torch", "container-runtime"}
+    verdict = [ln for ln in res.stdout.splitlines() if ln.strip()][-1]
+    assert verdict.startswith("OK:") and "FAIL" not in verdict
+    for name in ("infiniband", "interface", "shm", "memlock", "nofile", "ports", "ray", "torch",
+                 "container-runtime"):
+        assert name in res.stdout
 
 
 def test_cli_ib_profile_reports_missing_ib_as_fail(cli):
     res = cli("doctor", "--profile", "ib-a100", "--json")
     assert res.returncode == 1
-    checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    out = json.loads(res.stdout)
+    assert out["ok"] is False
+    checks = {c["name"]: c for c in out["checks"]}
     assert checks["infiniband"]["status"] == "FAIL"
-    assert "no InfiniBand devices" in checks["infiniband"]["detail"] and checks["infiniband"]["fix"]
-    assert checks["container-ib"]["status"] == "FAIL"
-    table = cli("doctor", "--profile", "ib-a100")
-    assert table.returncode == 1 and "FAIL" in table.stdout and "modprobe" in table.stdout
+    assert "no InfiniBand devices" in checks["infiniband"]["detail"] and "modprobe" in checks["infiniband"]["fix"]
+    assert checks["container-ib"]["status"] == "FAIL" and checks["container-ib"]["fix"]
 
 
 def test_cli_ib_profile_on_a_healthy_fake_node(cli, tmp_path):
