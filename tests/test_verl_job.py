@@ -110,3 +110,31 @@ def test_builtin_trainer_gets_the_same_arithmetic(tmp_path):
     with pytest.raises(ConfigError, match="disagrees with profile 'ib-a100'"):
         validate_job_trainer(profile, job)
     assert validate_job_trainer(profile, load_job_config(None, [])).kind == "builtin"
+
+
+@needs_verl
+def test_rendered_overrides_compose_against_verl(tmp_path):
+    """Take the trainer arguments out of the rendered script as bash expands them (with
+    the run-time variables a 2-node job has) and compose them with verl's config."""
+    import re
+    import subprocess
+
+    from hpc_verl.launch.plan import build_plan
+    from hpc_verl.verl_upstream.command import resolved_config
+
+    extra = 'trainer.experiment_name: "my run"\ntrainer.logger: [console]\n'
+    plan = build_plan("ib-a100", str(job_file(tmp_path, extra=extra)))
+    args_line = re.search(r"^\s*HPCV_TRAINER_ARGS=\(.*\)$", plan.script, flags=re.M).group(0)
+    call = re.search(r'-m "\$HPCV_TRAINER_MODULE" "\$\{HPCV_TRAINER_ARGS\[@\]\}" \\\n((?:\s+".*" [\\&]\n)+)',
+                     plan.script).group(1)
+    derived = " ".join(line.strip().rstrip("\\&").strip() for line in call.splitlines())
+    snippet = (f"HPCV_NODES=2 HPCV_GPUS_PER_NODE=8 HPCV_DATA_PATH=/d HPCV_TRAIN_FILE=t.parquet "
+               f"HPCV_VAL_FILE=v.parquet HPCV_RUN_DIR=/r\n{args_line}\n"
+               f'printf "%s\\n" "${{HPCV_TRAINER_ARGS[@]}}" {derived}\n')
+    out = subprocess.run(["bash", "-c", snippet], capture_output=True, text=True, check=True).stdout
+    overrides = out.splitlines()
+    assert "trainer.nnodes=2" in overrides and "trainer.experiment_name=my run" in overrides
+    cfg = resolved_config(overrides)
+    assert cfg["trainer"]["nnodes"] == 2 and cfg["trainer"]["n_gpus_per_node"] == 8
+    assert cfg["trainer"]["experiment_name"] == "my run" and cfg["data"]["train_files"] == "/d/t.parquet"
+    assert cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm"
