@@ -36,3 +36,22 @@ def test_troubleshooting_names_every_doctor_check():
     for heading in ("Nodes cannot connect", "Multi-node is slower than one node",
                     "NCCL on sockets instead of InfiniBand", "Rollout latency", "Raylet registration"):
         assert f"## {heading}" in text
+
+
+def test_quickstart_verl_job_is_valid(tmp_path):
+    """The verl job file shown in the quick start passes the same validation as a submission."""
+    import pytest
+
+    from hpc_verl.launch.jobconfig import load_job_config
+    from hpc_verl.launch.verl import validate_job_trainer
+    from hpc_verl.profiles import load_profile
+    from hpc_verl.verl_upstream.config import find_verl
+
+    if find_verl() is None:
+        pytest.skip("upstream verl not installed")
+    text = (REPO / "docs" / "quickstart.md").read_text()
+    block = re.search(r"```yaml\n(# job.yaml\n.*?)```", text, flags=re.S).group(1)
+    (tmp_path / "job.yaml").write_text(block)
+    job = load_job_config(str(tmp_path / "job.yaml"))
+    check = validate_job_trainer(load_profile("ib-a100"), job)
+    assert check.kind == "verl" and check.command.verl_version

@@ -138,3 +138,21 @@ def test_rendered_overrides_compose_against_verl(tmp_path):
     assert cfg["trainer"]["nnodes"] == 2 and cfg["trainer"]["n_gpus_per_node"] == 8
     assert cfg["trainer"]["experiment_name"] == "my run" and cfg["data"]["train_files"] == "/d/t.parquet"
     assert cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm"
+
+
+def test_without_verl_the_job_renders_with_one_warning_line(tmp_path):
+    """verl hidden from the interpreter (sys.modules['verl'] = None makes find_spec fail)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    job = job_file(tmp_path, extra="trainer.nnode: 3\n")
+    code = ("import sys; sys.modules['verl'] = None\n"
+            "from hpc_verl.cli.main import main\n"
+            f"sys.exit(main(['render', '--profile', 'ib-a100', '--config', {str(job)!r}]))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert line.startswith("hpc-verl: warning: upstream verl is not installed") and "not checked" in line
+    assert "trainer.nnode=3" in res.stdout

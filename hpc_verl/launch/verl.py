@@ -11,13 +11,15 @@ gets the same allocation and arithmetic checks through its own loader.
 """
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_verl.errors import ConfigError
 from hpc_verl.launch.batch_checks import check_trainer_config
 from hpc_verl.verl_upstream.command import MODULE as VERL_MODULE
-from hpc_verl.verl_upstream.command import Allocation, VerlCommand, build_verl_command
+from hpc_verl.verl_upstream.command import Allocation, VerlCommand, VerlNotInstalledWarning, build_verl_command
 
 ALLOCATION_KEYS = ("trainer.nnodes", "trainer.n_gpus_per_node")
 
@@ -51,8 +53,12 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
     """Raise ConfigError (one line) if the job's trainer config cannot run on this allocation."""
     alloc = allocation_of(profile, nodes)
     if trainer_kind(job) == "verl":
-        cmd = build_verl_command(_user_overrides(job), alloc, python=getattr(profile.ray, "python", "python3"),
-                                 attach_to_ray=True, where=f"job config {job.source}: verl override")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", VerlNotInstalledWarning)
+            cmd = build_verl_command(_user_overrides(job), alloc, python=getattr(profile.ray, "python", "python3"),
+                                     attach_to_ray=True, where=f"job config {job.source}: verl override")
+        for line in cmd.warnings:  # one clean line for the person at the terminal
+            print(f"hpc-verl: warning: {line}", file=sys.stderr)
         return TrainerCheck("verl", cmd, list(cmd.warnings))
     return _validate_builtin(profile, job, alloc)
 
