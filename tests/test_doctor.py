@@ -323,3 +323,13 @@ def test_nofile_of_the_container_comes_from_its_ulimit_flag(tmp_path):
     exp = ib_exp(runtime="podman", image="x", run_flags=["--ulimit=nofile=512"])
     assert d.check_nofile(exp, Context(roots=roots)).status == FAIL
     assert d.check_nofile(exp, Context(roots=roots, in_container=True)).status == OK
+
+
+def test_socket_ifname_matches_like_nccl(tmp_path):
+    roots = healthy(tmp_path, ifaces={"ib0": "10.10.0.5/16", "enp1s0f0": "192.168.1.5/24"})
+    assert d.check_socket_ifname(ib_exp(socket_ifname="enp"), Context(roots=roots)).status == OK  # prefix
+    r = d.check_socket_ifname(ib_exp(socket_ifname="=enp"), Context(roots=roots))  # exact
+    assert r.status == FAIL and "no socket interface found" in r.detail and "enp1s0f0" in r.detail
+    assert d.check_socket_ifname(ib_exp(socket_ifname="eth9,ib"), Context(roots=roots)).status == OK
+    assert d.check_socket_ifname(ib_exp(socket_ifname="^lo,docker"), Context(roots=roots)).status == OK
+    assert d.check_socket_ifname(ib_exp(socket_ifname=None, interface=None), Context(roots=roots)).status == SKIP

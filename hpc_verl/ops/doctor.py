@@ -48,6 +48,7 @@ class Expectations:
     scheduler: str = "local"
     transport: str = "loopback"
     interface: str | None = None
+    socket_ifname: str | None = None
     allow_loopback: bool = True
     ib_hcas: list[str] = field(default_factory=list)
     ib_devices: list[str] = field(default_factory=lambda: ["/dev/infiniband"])
@@ -74,6 +75,7 @@ class Expectations:
 
         c, n, s, r = p.container, p.network, p.slurm, p.ray
         return cls(profile=p.name, scheduler=p.scheduler, transport=n.transport, interface=n.interface,
+                   socket_ifname=n.socket_ifname,
                    allow_loopback=bool(n.allow_loopback) or p.scheduler == "local" or n.transport == "loopback",
                    ib_hcas=list(n.ib_hcas), ib_devices=list(n.ib_devices), shm_size=c.shm_size,
                    shm_bytes=parse_size_bytes(c.shm_size), runtime=c.runtime, image=c.image,
@@ -174,6 +176,30 @@ def check_interface(exp: Expectations, ctx: Context) -> CheckResult:
     status = OK if info.operstate in ("up", "unknown") else WARN
     fix = "" if status == OK else f"'{iface}' is {info.operstate}: check 'ip link show {iface}'"
     return CheckResult(name, status, f"'{iface}' {info.operstate}, IPv4 {', '.join(addrs)}", fix)
+
+
+def check_socket_ifname(exp: Expectations, ctx: Context) -> CheckResult:
+    """NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME must match an interface, as NCCL reads it.
+
+    NCCL treats each comma-separated name as a prefix (``=name`` exact); ``^``
+    excludes instead. A list matching nothing makes NCCL's bootstrap fail with
+    "no socket interface found" only when the trainer starts.
+    """
+    name = "socket-ifname"
+    spec = exp.socket_ifname or exp.interface
+    if not spec:
+        return CheckResult(name, SKIP, "network.socket_ifname and network.interface unset (NCCL picks)")
+    if spec.startswith("^"):
+        return CheckResult(name, OK, f"NCCL_SOCKET_IFNAME={spec} (an exclusion list)")
+    ifaces = sorted(sysinfo.interfaces(ctx.roots))
+    exact = spec.startswith("=")
+    wanted = [w for w in spec.lstrip("=").split(",") if w]
+    matched = [i for i in ifaces if any((i == w) if exact else i.startswith(w) for w in wanted)]
+    if not matched:
+        return CheckResult(name, FAIL, f"NCCL_SOCKET_IFNAME={spec} matches no interface here (present: "
+                           f"{', '.join(ifaces) or 'none'}): NCCL fails with 'no socket interface found'",
+                           "set network.socket_ifname to one of the present interfaces")
+    return CheckResult(name, OK, f"NCCL_SOCKET_IFNAME={spec} matches {', '.join(matched)}")
 
 
 def check_shm(exp: Expectations, ctx: Context) -> CheckResult:
@@ -502,7 +528,7 @@ def check_container_ib(exp: Expectations, ctx: Context) -> CheckResult:
 
 
 CHECKS: tuple[Callable[[Expectations, Context], CheckResult], ...] = (
-    check_ib, check_interface, check_shm, check_memlock, check_nofile, check_ports, check_ray,
+    check_ib, check_interface, check_socket_ifname, check_shm, check_memlock, check_nofile, check_ports, check_ray,
     check_gpu_devices, check_torch, check_runtime, check_container_ib)
 
 
