@@ -217,3 +217,9 @@ def test_ray_itself_refuses_num_cpus_when_attaching():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1", "RAY_USAGE_STATS_ENABLED": "0"})
     assert "REFUSED" in res.stdout and "num_cpus" in res.stdout, res.stdout + res.stderr
+
+
+@needs_verl
+def test_delete_needs_an_existing_key(schema):
+    (line,) = check_overrides(parse_overrides(["~trainer.loger"]), schema)
+    assert "cannot delete 'trainer.loger'" in line and "did you mean 'trainer.logger'" in line

@@ -203,6 +203,10 @@ def make_plan(profile: Any, nodes: int, model_size: str = "7B", gpu_mem_gb: floa
                            f"{why}: {'offload the Adam state to CPU' if need_opt else 'fits, keep it on GPU'}"))
         add(Recommendation(f"{prefix}.param_offload", str(need_param),
                            f"{why}: {'offload parameters too' if need_param else 'parameters fit on GPU'}"))
+    ref_off = need_opt or need_param
+    add(Recommendation("actor_rollout_ref.ref.fsdp_config.param_offload", str(ref_off),
+                       "the reference model only runs forward passes: offloading its weights costs little"
+                       if ref_off else "memory is ample: keep the reference weights on GPU"))
     c_opt = _pick_key(schema, "critic.model.fsdp_config.optimizer_offload", "critic.fsdp_config.optimizer_offload",
                       "critic.fsdp.optimizer_offload")
     c_par = _pick_key(schema, "critic.model.fsdp_config.param_offload", "critic.fsdp_config.param_offload",

@@ -104,6 +104,12 @@ def check_overrides(overrides: Sequence[Override], schema: VerlSchema,
                                 f"verl {schema.version} (groups: {', '.join(sorted(schema.groups))})")
             continue
         known = key in schema.keys
+        if ov.op == "delete" and not known:
+            guess = suggest_key(key, schema.keys)
+            hint = f" (did you mean '{guess}'?)" if guess else ""
+            problems.append(f"{where} '{ov.raw}': cannot delete '{key}', verl {schema.version}'s config has "
+                            f"no such key{hint}")
+            continue
         if ov.op == "add":
             if known:
                 problems.append(f"{where} '{ov.raw}': '{key}' already exists in verl's config; "
