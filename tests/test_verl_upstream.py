@@ -223,3 +223,16 @@ def test_ray_itself_refuses_num_cpus_when_attaching():
 def test_delete_needs_an_existing_key(schema):
     (line,) = check_overrides(parse_overrides(["~trainer.loger"]), schema)
     assert "cannot delete 'trainer.loger'" in line and "did you mean 'trainer.logger'" in line
+
+
+@needs_verl
+def test_without_hydra_keys_come_from_verls_snapshot(monkeypatch):
+    snap = vconfig.load_schema(str(vconfig.find_verl().package_dir), use_hydra=False)
+    monkeypatch.setattr(vconfig, "schema", lambda use_hydra=True: snap)
+    cmd = build_verl_command([ROLLOUT, "data.train_batch_size=1024"], A100x2)
+    assert any("hydra-core is not installed" in w for w in cmd.warnings)
+    with pytest.raises(ConfigError, match="did you mean 'trainer.nnodes'"):
+        build_verl_command([ROLLOUT, "trainer.nnode=2"], A100x2)
+    # defaults fill in what the user did not set: verl's mini-batch 256 on 24 GPUs does not split
+    with pytest.raises(ConfigError, match="256"):
+        build_verl_command([ROLLOUT, "data.train_batch_size=1032"], Allocation(3, 8, 64))

@@ -103,7 +103,15 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
         problems += check_overrides(parse_overrides(cmd.overrides, where), schema, where)
     if problems:
         raise ConfigError(one_line(problems))
-    resolved = resolved_config(cmd.overrides) if schema is not None else _flat_values(parsed)
+    if schema is not None and schema.source == "hydra":
+        resolved = resolved_config(cmd.overrides)
+    elif schema is not None:  # verl's files but no hydra-core: its defaults, then the user's values
+        cmd.warnings.append("hydra-core is not installed: the overrides' keys were checked but not composed "
+                            "(pip install hydra-core to compose them as main_ppo will)")
+        resolved = {k: v for k, v in schema.defaults.items() if not (isinstance(v, str) and "${" in v)}
+        resolved.update(_flat_values(parse_overrides(cmd.overrides, where)))
+    else:
+        resolved = _flat_values(parsed)
     problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node)
     if problems:
         raise ConfigError(f"verl job on {alloc.source}: {one_line(problems)}")
