@@ -188,3 +188,13 @@ def test_cli_show_and_errors(cli, tmp_path):
     assert res.returncode == 0
     for name in SHIPPED:
         assert name in res.stdout
+
+
+def test_docs_describe_every_field():
+    from pathlib import Path
+
+    from hpc_verl.profiles import schema_fields
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "profiles.md").read_text()
+    missing = [name for name, *_ in schema_fields() if f"| `{name}` |" not in docs]
+    assert not missing, f"docs/profiles.md lacks rows for: {missing}"

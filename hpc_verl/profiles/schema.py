@@ -251,7 +251,8 @@ class NetworkSection:
 class EnvSection:
     """Environment exported before Ray starts, on every node and in every container."""
 
-    hf_offline: bool = _f(True, doc="set `HF_HUB_OFFLINE=1` and `TRANSFORMERS_OFFLINE=1` (no hub downloads in jobs)")
+    hf_offline: bool = _f(True, doc="set `HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE` and `HF_DATASETS_OFFLINE` to 1 "
+                          "(no hub downloads in jobs)")
     tokenizers_parallelism: bool = _f(False, doc="value of `TOKENIZERS_PARALLELISM`")
     cuda_device_max_connections: Optional[int] = _f(1, doc="`CUDA_DEVICE_MAX_CONNECTIONS` (1 for Megatron-style "
                                                     "overlap); unset to leave it alone", check=_between(1, 32))
