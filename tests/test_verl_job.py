@@ -156,3 +156,11 @@ def test_without_verl_the_job_renders_with_one_warning_line(tmp_path):
     (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert line.startswith("hpc-verl: warning: upstream verl is not installed") and "not checked" in line
     assert "trainer.nnode=3" in res.stdout
+
+
+@needs_verl
+def test_example_verl_job_validates_and_renders(cli):
+    from conftest import REPO
+    res = cli("validate", "--profile", "ib-a100", "--config", str(REPO / "examples" / "job_verl_gsm8k.yaml"),
+              "--no-shellcheck")
+    assert res.returncode == 0, res.stderr
