@@ -43,7 +43,8 @@ hpc-verl doctor --profile ib-a100 --job-id "$SLURM_JOB_ID" --deep   # also look 
 hpc-verl doctor --profile local --json | jq '.checks[] | select(.status != "OK")'""",
     "plan": """hpc-verl plan --profile ib-a100 --nodes 4 --model-size 7B
 # paste the overrides into a submission
-hpc-verl submit --profile ib-a100 --config job.yaml $(hpc-verl plan --profile ib-a100 --nodes 4 --format overrides)""",
+hpc-verl submit --profile ib-a100 --set slurm.nodes=4 --config job.yaml \\
+  $(hpc-verl plan --profile ib-a100 --nodes 4 --format overrides)""",
 }
 
 
