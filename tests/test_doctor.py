@@ -89,6 +89,9 @@ def test_interface_docker_bridge_and_loopback_refused(tmp_path):
     roots = healthy(tmp_path, ifaces={"docker0": "172.17.0.1/16", "eth0": "192.168.1.5/24"})
     r = d.check_interface(ib_exp(interface="docker0"), Context(roots=roots))
     assert r.status == FAIL and "container bridge" in r.detail
+    inside = healthy(tmp_path / "in", ifaces={"eth0": "172.17.0.3/16"})  # a container without host network
+    r = d.check_interface(ib_exp(interface="eth0"), Context(roots=inside, in_container=True))
+    assert r.status == FAIL and "container bridge" in r.detail
     r = d.check_interface(ib_exp(interface="lo"), Context(roots=roots))
     assert r.status == FAIL and "loopback" in r.detail
     assert d.check_interface(ib_exp(interface="lo", allow_loopback=True), Context(roots=roots)).status == OK

@@ -166,7 +166,7 @@ def check_interface(exp: Expectations, ctx: Context) -> CheckResult:
         return CheckResult(name, FAIL, f"'{iface}' has no IPv4 address (state {info.operstate})",
                            "bring it up ('ip addr') or pick the interface with the cluster network's address")
     routable = [a for a in addrs if not a.startswith("127.") and not sysinfo.is_bridge(iface, a)]
-    if sysinfo.is_bridge(iface, addrs[0]):
+    if all(sysinfo.is_bridge(iface, a) for a in addrs):
         return CheckResult(name, FAIL, f"'{iface}' ({', '.join(addrs)}) is a container bridge: other nodes "
                            "cannot reach Ray there", "set network.interface to the node's cluster NIC")
     if not routable and not exp.allow_loopback:

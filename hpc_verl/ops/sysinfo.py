@@ -170,7 +170,8 @@ def is_bridge(name: str, ip: str | None = None) -> bool:
     """A container/VM bridge: other nodes cannot reach an address on it."""
     if name.startswith(BRIDGE_PREFIXES):
         return True
-    return bool(ip) and ipaddress.IPv4Address(ip) in DOCKER_DEFAULT_NET and name.startswith(("docker", "br"))
+    # docker's default bridge network: seen as eth0 inside a container without --network host
+    return bool(ip) and ipaddress.IPv4Address(ip) in DOCKER_DEFAULT_NET
 
 
 # ----------------------------------------------------------------------------- limits, shm
