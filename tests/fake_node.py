@@ -32,6 +32,13 @@ def make_node(root: Path, *, hcas: dict[str, tuple[str, str]] | None = None,
         (port / "state").write_text(f"{STATE_CODES[state]}: {state}\n")
         (port / "link_layer").write_text(layer + "\n")
         (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
+        if layer == "Ethernet":  # RoCE: GIDs 0,1 are v1/v2 of the link-local address, 2,3 of the IPv4
+            (port / "gids").mkdir()
+            (port / "gid_attrs" / "types").mkdir(parents=True)
+            for i, kind in enumerate(["IB/RoCE v1", "RoCE v2", "IB/RoCE v1", "RoCE v2"]):
+                (port / "gids" / str(i)).write_text(f"fe80:0000:0000:0000:0000:0000:0000:000{i + 1}\n")
+                (port / "gid_attrs" / "types" / str(i)).write_text(kind + "\n")
+            (port / "gids" / "4").write_text("0000:0000:0000:0000:0000:0000:0000:0000\n")
     ifaces = {"lo": "127.0.0.1/8", **(ifaces or {})}
     routes = ["Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT"]
     trie = ["Main:", "  +-- 0.0.0.0/0 3 0 5"]

@@ -61,7 +61,13 @@ def test_roce_needs_ethernet_link_layer(tmp_path):
     r = d.check_ib(ib_exp(transport="roce"), Context(roots=healthy(tmp_path)))
     assert r.status == FAIL and "link layer is InfiniBand" in r.detail
     roce = {k: ("ACTIVE", "Ethernet") for k in HCAS}
-    assert d.check_ib(ib_exp(transport="roce"), Context(roots=healthy(tmp_path / "b", hcas=roce))).status == OK
+    roots = healthy(tmp_path / "b", hcas=roce)
+    r = d.check_ib(ib_exp(transport="roce", gid_index=3), Context(roots=roots))
+    assert r.status == OK and "GID 3 RoCE v2" in r.detail
+    r = d.check_ib(ib_exp(transport="roce", gid_index=2), Context(roots=roots))
+    assert r.status == FAIL and "GID index 2 is IB/RoCE v1" in r.detail and "show_gids" in r.fix
+    r = d.check_ib(ib_exp(transport="roce", gid_index=4), Context(roots=roots))
+    assert r.status == FAIL and "not populated" in r.detail
 
 
 def test_ib_not_needed_on_ethernet(tmp_path):

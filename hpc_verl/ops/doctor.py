@@ -51,6 +51,7 @@ class Expectations:
     socket_ifname: str | None = None
     allow_loopback: bool = True
     ib_hcas: list[str] = field(default_factory=list)
+    gid_index: int | None = None
     ib_devices: list[str] = field(default_factory=lambda: ["/dev/infiniband"])
     shm_size: str = "16G"
     shm_bytes: int = 16 * 2**30
@@ -77,7 +78,7 @@ class Expectations:
         return cls(profile=p.name, scheduler=p.scheduler, transport=n.transport, interface=n.interface,
                    socket_ifname=n.socket_ifname,
                    allow_loopback=bool(n.allow_loopback) or p.scheduler == "local" or n.transport == "loopback",
-                   ib_hcas=list(n.ib_hcas), ib_devices=list(n.ib_devices), shm_size=c.shm_size,
+                   ib_hcas=list(n.ib_hcas), gid_index=n.gid_index, ib_devices=list(n.ib_devices), shm_size=c.shm_size,
                    shm_bytes=parse_size_bytes(c.shm_size), runtime=c.runtime, image=c.image,
                    global_flags=list(c.global_flags), run_flags=list(c.run_flags), devices=list(c.devices),
                    ipc_lock=c.ipc_lock, memlock_unlimited=c.memlock_unlimited, accelerator=p.accelerator,
@@ -137,12 +138,21 @@ def check_ib(exp: Expectations, ctx: Context) -> CheckResult:
             elif p.link_layer not in (want_layer, "unknown"):
                 problems.append(f"{hca} port {p.port} link layer is {p.link_layer}, "
                                 f"transport {exp.transport} needs {want_layer}")
+            elif exp.transport == "roce" and exp.gid_index is not None:
+                gid_type = sysinfo.gid_type(ctx.roots, hca, p.port, exp.gid_index)
+                if gid_type is None or "v2" not in gid_type.lower():
+                    problems.append(f"{hca} port {p.port} GID index {exp.gid_index} is "
+                                    f"{gid_type or 'not populated'}, not RoCE v2")
+                else:
+                    good.append(f"{hca}:{p.port} (GID {exp.gid_index} {gid_type})")
             else:
                 good.append(f"{hca}:{p.port}")
     if problems:
-        return CheckResult(name, FAIL, "; ".join(problems),
-                           "fix network.ib_hcas to the active HCAs 'ibstat' lists, or bring the port up "
-                           "(cable, subnet manager: 'sminfo')")
+        fix = ("fix network.ib_hcas to the active HCAs 'ibstat' lists, or bring the port up "
+               "(cable, subnet manager: 'sminfo')")
+        if all("GID index" in p for p in problems):
+            fix = "set network.gid_index to the RoCE v2 index that 'show_gids' lists (often 3)"
+        return CheckResult(name, FAIL, "; ".join(problems), fix)
     return CheckResult(name, OK, f"active: {', '.join(good)}")
 
 

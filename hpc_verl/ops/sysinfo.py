@@ -63,6 +63,15 @@ def ib_ports(roots: Roots) -> dict[str, list[IbPort]]:
     return out
 
 
+def gid_type(roots: Roots, hca: str, port: int, index: int) -> str | None:
+    """``RoCE v2`` / ``IB/RoCE v1`` for a populated GID, None for an empty or absent one."""
+    pdir = roots.sysfs / "class" / "infiniband" / hca / "ports" / str(port)
+    gid = _read(pdir / "gids" / str(index))
+    if not gid or set(gid.replace(":", "")) == {"0"}:
+        return None
+    return _read(pdir / "gid_attrs" / "types" / str(index))
+
+
 # ----------------------------------------------------------------------------- network
 @dataclass
 class Interface:
