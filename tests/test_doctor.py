@@ -342,3 +342,16 @@ def test_socket_ifname_matches_like_nccl(tmp_path):
     assert d.check_socket_ifname(ib_exp(socket_ifname="eth9,ib"), Context(roots=roots)).status == OK
     assert d.check_socket_ifname(ib_exp(socket_ifname="^lo,docker"), Context(roots=roots)).status == OK
     assert d.check_socket_ifname(ib_exp(socket_ifname=None, interface=None), Context(roots=roots)).status == SKIP
+
+
+def test_enroot_pyxis_needs_the_srun_plugin(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    fake_runtime(bindir, "enroot", '[ "$1" = version ] && echo "3.4.1"')
+    fake_runtime(bindir, "srun", 'echo "Usage: srun [OPTIONS...] executable"')
+    monkeypatch.setenv("PATH", str(bindir))
+    exp = ib_exp(runtime="enroot-pyxis", image="nvcr.io#x")
+    r = d.check_runtime(exp, Context(roots=healthy(tmp_path / "n")))
+    assert r.status == FAIL and "pyxis plugin missing" in r.detail
+    fake_runtime(bindir, "srun", 'echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"')
+    r = d.check_runtime(exp, Context(roots=healthy(tmp_path / "m")))
+    assert r.status == OK and "3.4.1" in r.detail

@@ -478,7 +478,8 @@ def check_runtime(exp: Expectations, ctx: Context) -> CheckResult:
     if path is None:
         return CheckResult(name, FAIL, f"'{binary}' is not on PATH (container.runtime: {exp.runtime})",
                            f"install {binary} or 'module load' it before the job; or change container.runtime")
-    cmd = [path, *(exp.global_flags if exp.runtime in ("docker", "podman") else []), "--version"]
+    cmd = [path, *(exp.global_flags if exp.runtime in ("docker", "podman") else []),
+           "version" if exp.runtime == "enroot-pyxis" else "--version"]
     res = _run(ctx, cmd)
     if res.returncode != 0:
         return CheckResult(name, FAIL, f"'{binary} --version' failed: {_last_line(res)}",
@@ -491,8 +492,10 @@ def check_runtime(exp: Expectations, ctx: Context) -> CheckResult:
                                f"{_last_line(info)}", "start dockerd or use podman/apptainer (rootless)")
     if exp.runtime == "enroot-pyxis":
         srun = shutil.which("srun")
-        helptext = _run(ctx, [srun, "--help"]).stdout if srun else ""
-        if "--container-image" not in helptext:
+        if srun is None:
+            return CheckResult(name, FAIL, f"{version}, but srun is not on PATH (pyxis runs through srun)",
+                               "run doctor on a SLURM node, or use another container.runtime")
+        if "--container-image" not in _run(ctx, [srun, "--help"]).stdout:
             return CheckResult(name, FAIL, f"{version}, but srun has no --container-image (pyxis plugin "
                                "missing)", "install pyxis (plugstack.conf) or use another runtime")
     return CheckResult(name, OK, version)
