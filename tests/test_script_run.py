@@ -181,3 +181,17 @@ def test_missing_gpus_in_allocation_is_an_error_not_all(fc):
     assert "no GPUs in the SLURM allocation on node1" in res.stderr
     assert "containers: the container step exited before all 2 containers were up" in res.stderr
     assert not [c for c in res.calls("docker") if "run" in c]
+
+
+def test_local_profile_runs_without_slurm(fc):
+    """scheduler: local — no srun, no scontrol: the same pipeline on this machine."""
+    script = fc.render("local")
+    env_extra = {"SLURM_JOB_ID": "", "SLURM_JOB_NODELIST": "", "SLURM_SUBMIT_DIR": ""}
+    res = fc.run(script, **env_extra)
+    assert res.rc == 0, res.stderr
+    assert not res.calls("srun") and not res.calls("scontrol")
+    assert "ray-up: 1 nodes and 0 GPUs ready" in res.stderr
+    trainer = [c for c in res.calls("python") if "hpc_verl.trainer.main" in c][0]
+    assert "trainer.nnodes=1" in trainer and "trainer.n_gpus_per_node=0" in trainer
+    run_dirs = list((fc.submit_dir / "jobs").iterdir())
+    assert len(run_dirs) == 1 and (run_dirs[0] / "stages" / "train.done").exists()
