@@ -141,7 +141,8 @@ def test_dead_ray_head_fails_fast(fc):
 @pytest.mark.parametrize("trainer_rc", ["0", "3"])
 def test_containers_named_per_job_and_node_and_stopped_on_exit(fc, trainer_rc):
     script = fc.render("testbed-podman")
-    res = fc.run(script, FAKE_TRAINER_RC=trainer_rc)
+    # like the test bed: placeholder GPUs, steps see only SLURM_GPUS_ON_NODE
+    res = fc.run(script, FAKE_TRAINER_RC=trainer_rc, FAKE_GPUS="")
     assert res.rc == int(trainer_rc), res.stderr
     calls = res.calls("podman")
     runs = [c for c in calls if "run" in c]
@@ -176,7 +177,7 @@ def test_gpus_come_from_the_allocation_never_all(fc):
 
 def test_missing_gpus_in_allocation_is_an_error_not_all(fc):
     script = fc.render("ib-a100", ["slurm.gpus_per_node=2"])
-    res = fc.run(script, FAKE_GPUS="", SLURM_JOB_GPUS="")
+    res = fc.run(script, FAKE_GPUS="")
     assert res.rc != 0
     assert "no GPUs in the SLURM allocation on node1" in res.stderr
     assert "containers: the container step exited before all 2 containers were up" in res.stderr
