@@ -196,3 +196,19 @@ def test_local_profile_runs_without_slurm(fc):
     assert "trainer.nnodes=1" in trainer and "trainer.n_gpus_per_node=0" in trainer
     run_dirs = list((fc.submit_dir / "jobs").iterdir())
     assert len(run_dirs) == 1 and (run_dirs[0] / "stages" / "train.done").exists()
+
+
+def test_pyxis_steps_run_in_the_named_container(fc):
+    script = fc.render("pyxis-h100", ["slurm.gpus_per_node=2"])
+    res = fc.run(script, FAKE_GPUS="0,1")
+    assert res.rc == 0, res.stderr
+    steps = [line for line in res.log if line.startswith("srun ")]
+    assert "--container-image" not in steps[0]  # host-side preparation of bind sources first
+    for line in steps[1:]:
+        args = shlex.split(line)
+        assert f"--container-name=hpcv-{JOB_ID}" in args and "--no-container-mount-home" in args
+        image = [a for a in args if a.startswith("--container-image=")]
+        assert image == ["--container-image=registry.example.org#hpc-verl/hpc-verl:0.1.0-cu124"]
+        mounts = [a for a in args if a.startswith("--container-mounts=")][0].split("=", 1)[1].split(",")
+        assert f"{fc.submit_dir}:{fc.submit_dir}" in mounts and f"{fc.ray_tmp}:{fc.ray_tmp}" in mounts
+        assert "/dev/infiniband" in mounts
