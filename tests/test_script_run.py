@@ -212,3 +212,19 @@ def test_pyxis_steps_run_in_the_named_container(fc):
         mounts = [a for a in args if a.startswith("--container-mounts=")][0].split("=", 1)[1].split(",")
         assert f"{fc.submit_dir}:{fc.submit_dir}" in mounts and f"{fc.ray_tmp}:{fc.ray_tmp}" in mounts
         assert "/dev/infiniband" in mounts
+
+
+def test_apptainer_instances_per_node_started_and_stopped(fc):
+    script = fc.render("eth-l40s")
+    res = fc.run(script, FAKE_GPUS="2,3")
+    assert res.rc == 0, res.stderr
+    calls = res.calls("apptainer")
+    starts = [c for c in calls if c[:2] == ["instance", "start"]]
+    assert sorted(c[-1] for c in starts) == [f"hpcv-{JOB_ID}-node1", f"hpcv-{JOB_ID}-node2"]
+    for c in starts:
+        assert "--nv" in c and c[-2] == "/shared/containers/hpc-verl-0.1.0-cu124.sif"
+        assert f"{fc.submit_dir}:{fc.submit_dir}" in c
+    stops = {c[-1] for c in calls if c[:2] == ["instance", "stop"]}
+    assert stops == {f"hpcv-{JOB_ID}-node1", f"hpcv-{JOB_ID}-node2"}
+    execs = [c for c in calls if c[0] == "exec"]
+    assert execs and all(c[3].startswith("instance://hpcv-") for c in execs)
