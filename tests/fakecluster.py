@@ -75,7 +75,6 @@ class FakeCluster:
             "SLURM_JOB_ID": JOB_ID,
             "SLURM_JOB_NODELIST": "node[1-2]",
             "SLURM_SUBMIT_DIR": str(self.submit_dir),
-            "SLURM_JOB_GPUS": "0,1,2,3",
         })
         env.update(extra)
         return env

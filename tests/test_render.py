@@ -163,6 +163,19 @@ def test_cli_render_writes_atomically_and_refuses_bad_input(cli, tmp_path):
         assert not target.exists() and not list(tmp_path.glob(".bad.sbatch.*"))
 
 
+def test_cli_render_with_a_broken_site_profile_writes_nothing(cli, tmp_path):
+    (tmp_path / "cluster_profiles").mkdir()
+    (tmp_path / "cluster_profiles" / "site.yaml").write_text("extends: ib-a100\nslurm:\n  gpus_per_node: -8\n")
+    (tmp_path / "cluster_profiles" / "typo.yaml").write_text("extends: ib-a100\ncontainer:\n  shm_sise: 64G\n")
+    for name, fragment in (("site", "site.yaml:3): slurm.gpus_per_node must be between 0 and 64, got -8"),
+                           ("typo", "typo.yaml:3): section 'container': unknown key 'shm_sise' "
+                                    "(did you mean 'shm_size'?)")):
+        res = cli("render", "--profile", name, "-o", "out.sbatch", cwd=tmp_path)
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.returncode == 2 and len(lines) == 1 and fragment in lines[0], res.stderr
+        assert not (tmp_path / "out.sbatch").exists()
+
+
 def test_cli_validate(cli, tmp_path):
     res = cli("validate", "--all", cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -141,7 +141,8 @@ def test_dead_ray_head_fails_fast(fc):
 @pytest.mark.parametrize("trainer_rc", ["0", "3"])
 def test_containers_named_per_job_and_node_and_stopped_on_exit(fc, trainer_rc):
     script = fc.render("testbed-podman")
-    res = fc.run(script, FAKE_TRAINER_RC=trainer_rc)
+    # like the test bed: placeholder GPUs, steps see only SLURM_GPUS_ON_NODE
+    res = fc.run(script, FAKE_TRAINER_RC=trainer_rc, FAKE_GPUS="")
     assert res.rc == int(trainer_rc), res.stderr
     calls = res.calls("podman")
     runs = [c for c in calls if "run" in c]
@@ -176,8 +177,54 @@ def test_gpus_come_from_the_allocation_never_all(fc):
 
 def test_missing_gpus_in_allocation_is_an_error_not_all(fc):
     script = fc.render("ib-a100", ["slurm.gpus_per_node=2"])
-    res = fc.run(script, FAKE_GPUS="", SLURM_JOB_GPUS="")
+    res = fc.run(script, FAKE_GPUS="")
     assert res.rc != 0
     assert "no GPUs in the SLURM allocation on node1" in res.stderr
     assert "containers: the container step exited before all 2 containers were up" in res.stderr
     assert not [c for c in res.calls("docker") if "run" in c]
+
+
+def test_local_profile_runs_without_slurm(fc):
+    """scheduler: local — no srun, no scontrol: the same pipeline on this machine."""
+    script = fc.render("local")
+    env_extra = {"SLURM_JOB_ID": "", "SLURM_JOB_NODELIST": "", "SLURM_SUBMIT_DIR": ""}
+    res = fc.run(script, **env_extra)
+    assert res.rc == 0, res.stderr
+    assert not res.calls("srun") and not res.calls("scontrol")
+    assert "ray-up: 1 nodes and 0 GPUs ready" in res.stderr
+    trainer = [c for c in res.calls("python") if "hpc_verl.trainer.main" in c][0]
+    assert "trainer.nnodes=1" in trainer and "trainer.n_gpus_per_node=0" in trainer
+    run_dirs = list((fc.submit_dir / "jobs").iterdir())
+    assert len(run_dirs) == 1 and (run_dirs[0] / "stages" / "train.done").exists()
+
+
+def test_pyxis_steps_run_in_the_named_container(fc):
+    script = fc.render("pyxis-h100", ["slurm.gpus_per_node=2"])
+    res = fc.run(script, FAKE_GPUS="0,1")
+    assert res.rc == 0, res.stderr
+    steps = [line for line in res.log if line.startswith("srun ")]
+    assert "--container-image" not in steps[0]  # host-side preparation of bind sources first
+    for line in steps[1:]:
+        args = shlex.split(line)
+        assert f"--container-name=hpcv-{JOB_ID}" in args and "--no-container-mount-home" in args
+        image = [a for a in args if a.startswith("--container-image=")]
+        assert image == ["--container-image=registry.example.org#hpc-verl/hpc-verl:0.1.0-cu124"]
+        mounts = [a for a in args if a.startswith("--container-mounts=")][0].split("=", 1)[1].split(",")
+        assert f"{fc.submit_dir}:{fc.submit_dir}" in mounts and f"{fc.ray_tmp}:{fc.ray_tmp}" in mounts
+        assert "/dev/infiniband" in mounts
+
+
+def test_apptainer_instances_per_node_started_and_stopped(fc):
+    script = fc.render("eth-l40s")
+    res = fc.run(script, FAKE_GPUS="2,3")
+    assert res.rc == 0, res.stderr
+    calls = res.calls("apptainer")
+    starts = [c for c in calls if c[:2] == ["instance", "start"]]
+    assert sorted(c[-1] for c in starts) == [f"hpcv-{JOB_ID}-node1", f"hpcv-{JOB_ID}-node2"]
+    for c in starts:
+        assert "--nv" in c and c[-2] == "/shared/containers/hpc-verl-0.1.0-cu124.sif"
+        assert f"{fc.submit_dir}:{fc.submit_dir}" in c
+    stops = {c[-1] for c in calls if c[:2] == ["instance", "stop"]}
+    assert stops == {f"hpcv-{JOB_ID}-node1", f"hpcv-{JOB_ID}-node2"}
+    execs = [c for c in calls if c[0] == "exec"]
+    assert execs and all(c[3].startswith("instance://hpcv-") for c in execs)
