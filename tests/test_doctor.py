@@ -249,7 +249,8 @@ def test_deep_probe_runs_the_image_once(tmp_path, monkeypatch):
                  'while [ $# -gt 0 ] && [ "$1" != -c ]; do shift; done; shift; '
                  f'exec {sys.executable} -c "$1"')
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-    exp = ib_exp(runtime="podman", image="localhost/img:1", global_flags=["--runtime", "runc"])
+    exp = ib_exp(runtime="podman", image="localhost/img:1", global_flags=["--runtime", "runc"],
+                 mounts=["/shared/data:/shared/data:ro"])
     report = run_doctor(exp, Context(roots=healthy(tmp_path / "n"), deep=True))
     by = {c.name: c for c in report.checks}
     assert by["container-run"].status == OK
@@ -258,6 +259,7 @@ def test_deep_probe_runs_the_image_once(tmp_path, monkeypatch):
     runs = [ln for ln in log.read_text().splitlines() if " run " in f" {ln} "]
     assert len(runs) == 1
     assert "--runtime runc run --rm --network host" in runs[0] and "--device /dev/infiniband" in runs[0]
+    assert "--volume /shared/data:/shared/data:ro" in runs[0]
 
 
 def test_crashing_check_becomes_a_fail_line(tmp_path):

@@ -60,6 +60,7 @@ class Expectations:
     global_flags: list[str] = field(default_factory=list)
     run_flags: list[str] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)
+    mounts: list[str] = field(default_factory=list)
     ipc_lock: bool = True
     memlock_unlimited: bool = True
     accelerator: str = "none"
@@ -81,6 +82,7 @@ class Expectations:
                    ib_hcas=list(n.ib_hcas), gid_index=n.gid_index, ib_devices=list(n.ib_devices), shm_size=c.shm_size,
                    shm_bytes=parse_size_bytes(c.shm_size), runtime=c.runtime, image=c.image,
                    global_flags=list(c.global_flags), run_flags=list(c.run_flags), devices=list(c.devices),
+                   mounts=list(c.mounts),
                    ipc_lock=c.ipc_lock, memlock_unlimited=c.memlock_unlimited, accelerator=p.accelerator,
                    gpus_per_node=s.gpus_per_node, port_base=r.port_base, port_stride=r.port_stride,
                    port_slots=r.port_slots, python=r.python)
@@ -566,10 +568,13 @@ def container_probe_command(exp: Expectations) -> list[str] | None:
         cmd = [binary, *exp.global_flags, "run", "--rm", "--network", "host", *exp.run_flags]
         for d in devs:
             cmd += ["--device", d]
+        for m in exp.mounts:
+            cmd += ["--volume", m]
         if exp.ipc_lock:
             cmd += ["--cap-add", "IPC_LOCK"]
         return [*cmd, exp.image, exp.python, "-c", _PROBE]
-    return [binary, "exec", *exp.run_flags, exp.image, exp.python, "-c", _PROBE]
+    binds = [a for m in exp.mounts for a in ("--bind", m)]
+    return [binary, "exec", *binds, *exp.run_flags, exp.image, exp.python, "-c", _PROBE]
 
 
 def run_probe(exp: Expectations, ctx: Context, timeout_s: float = 300) -> CheckResult:
