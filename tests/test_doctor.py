@@ -357,3 +357,18 @@ def test_enroot_pyxis_needs_the_srun_plugin(tmp_path, monkeypatch):
     fake_runtime(bindir, "srun", 'echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"')
     r = d.check_runtime(exp, Context(roots=healthy(tmp_path / "m")))
     assert r.status == OK and "3.4.1" in r.detail
+
+
+@pytest.mark.podman
+def test_deep_with_real_podman_reports_an_image_it_cannot_run(cli):
+    """Real podman (the test bed's runtime flags from testbed-podman); no registry here, so
+    an image that is not local cannot be run: container-run FAILs with the runtime's reason."""
+    import shutil
+    if shutil.which("podman") is None:
+        pytest.skip("podman not installed")
+    res = cli("doctor", "--profile", "testbed-podman", "--deep", "--json",
+              "--set", "container.image=localhost/hpcv-doctor-absent:0")
+    assert res.returncode == 1
+    first = json.loads(res.stdout)["checks"][0]
+    assert first["name"] == "container-run" and first["status"] == FAIL
+    assert "hpcv-doctor-absent" in first["detail"] and first["fix"]
