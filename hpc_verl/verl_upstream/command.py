@@ -68,6 +68,7 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
     """Derive, validate and assemble the main_ppo command; raise ConfigError on any problem."""
     parsed = parse_overrides(user_overrides, where)
     values = override_map(parsed)
+    job_label = where.removesuffix("verl override").rstrip(": ") or "verl job"
     derived: list[str] = []
     derived += _derive(values, "trainer.nnodes", alloc.nnodes, alloc, "nodes")
     derived += _derive(values, "trainer.n_gpus_per_node", alloc.gpus_per_node, alloc, "GPUs per node")
@@ -86,7 +87,7 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
 
     name = values.get(ROLLOUT_NAME)
     if not name or name in ("???", "null"):
-        raise ConfigError(f"verl job: '{ROLLOUT_NAME}' is required (verl has no default); add "
+        raise ConfigError(f"{job_label}: '{ROLLOUT_NAME}' is required (verl has no default); add "
                           f"{ROLLOUT_NAME}=vllm (or {', '.join(KNOWN_ROLLOUTS[1:])}) to the overrides")
 
     cmd = VerlCommand(python=python, derived=derived, user=user, attach_to_ray=attach_to_ray,
@@ -114,7 +115,7 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
         resolved = _flat_values(parsed)
     problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node)
     if problems:
-        raise ConfigError(f"verl job on {alloc.source}: {one_line(problems)}")
+        raise ConfigError(f"{job_label} on {alloc.source}: {one_line(problems)}")
     return cmd
 
 
