@@ -102,3 +102,20 @@ def test_cli_formats(cli):
     assert js["gpu_mem_gb"] is None and "actor_rollout_ref.rollout.name=hf" in js["overrides"]
     bad = cli("plan", "--profile", "local", "--nodes", "3")
     assert bad.returncode == 2 and "local" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_yaml_format_is_a_valid_verl_job(cli, tmp_path):
+    """The yaml block pasted into a verl job file passes the submission checks."""
+    import yaml
+
+    from hpc_verl.launch.jobconfig import load_job_config
+    from hpc_verl.launch.verl import validate_job_trainer
+
+    res = cli("plan", "--profile", "ib-a100", "--nodes", "2", "--format", "yaml")
+    assert res.returncode == 0, res.stderr
+    block = yaml.safe_load(res.stdout)
+    assert block["trainer"]["overrides"]["data.train_batch_size"] == 2048
+    block["trainer"]["module"] = "verl.trainer.main_ppo"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(block))
+    check = validate_job_trainer(load_profile("ib-a100"), load_job_config(str(tmp_path / "job.yaml")))
+    assert check.kind == "verl"

@@ -24,8 +24,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--gpu-mem-gb", type=float, default=None,
                         help="GPU memory in GB (default: from the GPU model the profile names)")
     parser.add_argument("--rollout-n", type=int, default=1, help="responses per prompt (GRPO uses > 1)")
-    parser.add_argument("--format", choices=("table", "overrides", "json"), default="table",
-                        help="table (default), overrides (key=value lines), or json")
+    parser.add_argument("--format", choices=("table", "overrides", "yaml", "json"), default="table",
+                        help="table (default), overrides (key=value lines), yaml (a trainer.overrides block "
+                             "for a job file), or json")
     parser.set_defaults(func=cmd_plan)
 
 
@@ -45,6 +46,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"plan for profile '{profile.name}' failed its own checks: {problems[0]}")
     if args.format == "overrides":
         print("\n".join(plan.overrides))
+        return 0
+    if args.format == "yaml":
+        import yaml
+
+        from hpc_verl.ops.plan import typed_value
+
+        block = {"trainer": {"overrides": {r.key: typed_value(r.value) for r in plan.rows if r.kind == "override"}}}
+        print(yaml.safe_dump(block, sort_keys=False, default_flow_style=False), end="")
         return 0
     if args.format == "json":
         print(json.dumps(plan.to_dict(), indent=2))

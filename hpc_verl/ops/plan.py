@@ -260,16 +260,19 @@ def verify_plan(plan: Plan, schema: Any) -> list[str]:
     problems: list[str] = []
     if schema is not None:
         problems += check_overrides(parse_overrides(plan.overrides, "plan"), schema, "plan")
-    flat = {r.key: _typed(r.value) for r in plan.rows if r.kind in ("override", "derived")}
+    flat = {r.key: typed_value(r.value) for r in plan.rows if r.kind in ("override", "derived")}
     problems += check_ppo_arithmetic(flat, plan.nodes, plan.gpus_per_node)
     return problems
 
 
-def _typed(v: str) -> Any:
+def typed_value(v: str) -> Any:
+    """A recommendation's value as YAML would hold it (bool, int, float or string)."""
     if v in ("True", "False"):
         return v == "True"
-    try:
-        return int(v)
-    except ValueError:
-        return v
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
 
