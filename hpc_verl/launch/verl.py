@@ -45,6 +45,10 @@ def allocation_of(profile: Any, nodes: int | None = None) -> Allocation:
                       source=f"profile '{profile.name}' ({n} node(s) × {gpn} GPU(s))")
 
 
+def _source(job: Any) -> str:
+    return str(getattr(job, "source", None) or "(command line)")
+
+
 def _user_overrides(job: Any) -> list[str]:
     return list(job.trainer_override_args())
 
@@ -56,7 +60,7 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", VerlNotInstalledWarning)
             cmd = build_verl_command(_user_overrides(job), alloc, python=getattr(profile.ray, "python", "python3"),
-                                     attach_to_ray=True, where=f"job config {job.source}: verl override")
+                                     attach_to_ray=True, where=f"job config {_source(job)}: verl override")
         for line in cmd.warnings:  # one clean line for the person at the terminal
             print(f"hpc-verl: warning: {line}", file=sys.stderr)
         return TrainerCheck("verl", cmd, list(cmd.warnings))
@@ -75,7 +79,7 @@ def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck
         if key in ALLOCATION_KEYS:
             actual = alloc.nnodes if key == "trainer.nnodes" else alloc.gpus_per_node
             if value.strip() != str(actual):
-                raise ConfigError(f"job config {job.source}: override '{item}' disagrees with {alloc.source}; "
+                raise ConfigError(f"job config {_source(job)}: override '{item}' disagrees with {alloc.source}; "
                                   f"hpc-verl sets {key} from the allocation: drop the override")
     derived = [f"trainer.nnodes={alloc.nnodes}", f"trainer.n_gpus_per_node={alloc.gpus_per_node}"]
     gpus = alloc.gpus_per_node
@@ -85,9 +89,9 @@ def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck
         cfg = load_config(None, overrides=[*derived, *[o for o in overrides
                                                        if o.split("=", 1)[0].lstrip("+~") not in ALLOCATION_KEYS]])
     except ConfigError as exc:
-        raise ConfigError(f"job config {job.source}: {exc}") from None
+        raise ConfigError(f"job config {_source(job)}: {exc}") from None
     problems = check_trainer_config(cfg, alloc.nnodes, gpus)
     if problems:
         extra = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ConfigError(f"job config {job.source} on {alloc.source}: {problems[0]}{extra}")
+        raise ConfigError(f"job config {_source(job)} on {alloc.source}: {problems[0]}{extra}")
     return TrainerCheck("builtin")
