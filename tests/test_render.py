@@ -91,7 +91,7 @@ def test_runtime_specifics():
     pyxis = build_plan("pyxis-h100").script
     assert '--container-image="$HPCV_IMAGE"' in pyxis and "HPCV_CONTAINER_MODE=sync" in pyxis
     amd = build_plan("mi300x-rocm").script
-    assert "--device /dev/kfd" in amd and "renderD$((128 + id))" in amd and "HIP_VISIBLE_DEVICES" in amd
+    assert "--device /dev/kfd" in amd and "renderD$((128 + id))" in amd and "HSA_NO_SCRATCH_RECLAIM" in amd
     app = build_plan("eth-l40s").script
     assert "instance start" in app and "--nv" in app and "hpcv_export NCCL_IB_DISABLE 1" in app
     assert "hpcv_export NCCL_SOCKET_IFNAME eth0" in app
