@@ -91,7 +91,7 @@ def test_runtime_specifics():
     pyxis = build_plan("pyxis-h100").script
     assert '--container-image="$HPCV_IMAGE"' in pyxis and "HPCV_CONTAINER_MODE=sync" in pyxis
     amd = build_plan("mi300x-rocm").script
-    assert "--device /dev/kfd" in amd and "renderD$((128 + id))" in amd and "HIP_VISIBLE_DEVICES" in amd
+    assert "--device /dev/kfd" in amd and "renderD$((128 + id))" in amd and "HSA_NO_SCRATCH_RECLAIM" in amd
     app = build_plan("eth-l40s").script
     assert "instance start" in app and "--nv" in app and "hpcv_export NCCL_IB_DISABLE 1" in app
     assert "hpcv_export NCCL_SOCKET_IFNAME eth0" in app
@@ -174,6 +174,14 @@ def test_cli_render_with_a_broken_site_profile_writes_nothing(cli, tmp_path):
         lines = [line for line in res.stderr.splitlines() if line.strip()]
         assert res.returncode == 2 and len(lines) == 1 and fragment in lines[0], res.stderr
         assert not (tmp_path / "out.sbatch").exists()
+
+
+def test_cli_overrides_anywhere_on_the_line(cli, tmp_path):
+    res = cli("render", "--profile", "ib-a100", "trainer.a=1", "--set", "slurm.nodes=3", "trainer.b=2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "HPCV_TRAINER_ARGS=(trainer.a=1 trainer.b=2)" in res.stdout and "#SBATCH --nodes=3" in res.stdout
+    res = cli("render", "--profile", "ib-a100", "--bogus", cwd=tmp_path)
+    assert res.returncode == 2 and "unrecognized arguments: --bogus" in res.stderr
 
 
 def test_cli_validate(cli, tmp_path):
