@@ -11,7 +11,12 @@ from typing import Any
 from hpc_verl._version import __version__
 
 # public name -> module that defines it
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "DataflowGraph": "hpc_verl.dataflow",
+    "Node": "hpc_verl.dataflow",
+    "Edge": "hpc_verl.dataflow",
+    "HybridScheduler": "hpc_verl.dataflow",
+}
 
 
 def __getattr__(name: str) -> Any:
