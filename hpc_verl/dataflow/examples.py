@@ -121,7 +121,7 @@ def ppo_example_graph(name: str = "ppo_training", total_gpus: int = 8, rollout_d
     return graph
 
 
-def three_stage_graph(name: str, parallelism: int = 1, capacity: int = 64) -> DataflowGraph:
+def three_stage_graph(name: str, parallelism: int = 1, capacity: int = 256) -> DataflowGraph:
     """The benchmark pipeline: three trivial function stages."""
     graph = DataflowGraph(name)
     with graph:

@@ -99,7 +99,7 @@ class Edge:
     co_locate: bool = False
     max_size_bytes: int | None = None
     consistency: str = "eventual"
-    capacity: int = 64
+    capacity: int = 256
     threshold: int | None = None
     _graph_added: bool = field(default=False, repr=False)
 

@@ -45,10 +45,10 @@ class _Instance:
 class _Track:
     """One in-flight item: the ref and instance of every node it passes."""
 
-    __slots__ = ("key", "refs", "insts", "waiting")
+    __slots__ = ("key", "size", "refs", "insts", "waiting")
 
-    def __init__(self, key: int) -> None:
-        self.key = key
+    def __init__(self, key: int, size: int) -> None:
+        self.key, self.size = key, size
         self.refs: dict[str, Any] = {}
         self.insts: dict[str, _Instance] = {}
         self.waiting = 0
@@ -60,7 +60,7 @@ class HybridScheduler:
 
     def __init__(self, graph: DataflowGraph, *, cluster: list[ClusterNode] | None = None,
                  backpressure: bool = True, backpressure_window_s: float = 1.0,
-                 monitor_interval_s: float = 0.1, stats_interval_s: float = 0.5,
+                 monitor_interval_s: float = 0.2, stats_interval_s: float = 0.5,
                  status_file: str | None = None, start_timeout_s: float = 120.0) -> None:
         graph.validate()
         self.graph = graph
@@ -86,8 +86,9 @@ class HybridScheduler:
                            for n in graph.nodes}
         self._coloc_in = {n: [e.src_name for e in self._in_data[n] if e.colocated] for n in graph.nodes}
         self._emitters = [n for n in graph.nodes if graph.out_edges(n, control=True)]
-        self._edge = {e.key: {"queue": 0, "peak": 0, "items": 0, "over_since": None, "last_action": 0.0,
-                              "cross_node": 0} for e in graph.edges}
+        self._edge: dict[str, dict[str, Any]] = {
+            e.key: {"queue": 0, "peak": 0, "items": 0, "last_action": 0.0, "cross_node": 0, "samples": []}
+            for e in graph.edges}
         self._node_rate: dict[str, dict[str, float]] = {n: {"t": 0.0, "done": 0, "rate": 0.0} for n in graph.nodes}
         self._retired: dict[str, int] = {n: 0 for n in graph.nodes}  # items processed by removed instances
         self._ulysses = {n: bool(node.ulysses) for n, node in graph.nodes.items()}
@@ -102,8 +103,9 @@ class HybridScheduler:
         self._started = False
         self._last_stats = 0.0
         self._tag = uuid.uuid4().hex[:6]
+        self._wait_div = 4
         self._bundle_counter = itertools.count()
-        self.window = min((e.capacity for e in graph.data_edges()), default=64)
+        self.window = min((e.capacity for e in graph.data_edges()), default=256)
 
     # ---- planning ------------------------------------------------------------------
     def _clusters(self) -> tuple[list[ClusterNode], list[ClusterNode]]:
@@ -194,7 +196,7 @@ class HybridScheduler:
                 "method": node.method, "control_method": node.control_method,
                 "in_control": [e.key for e in in_ctl], "edge_of": {e.key: e.data_type or e.key for e in in_ctl},
                 "out_control": [e.data_type or e.key for e in self.graph.out_edges(ip.node, control=True)],
-                "join": len(ins) > 1}
+                "in_keys": [e.key for e in ins], "in_srcs": [e.src_name for e in ins]}
         opts: dict[str, Any] = {"num_cpus": res.get("CPU", 0.0), "num_gpus": res.get("GPU", 0.0),
                                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, 0)}
         if custom:
@@ -222,8 +224,13 @@ class HybridScheduler:
         if not self._started:
             raise DataflowError(f"graph '{self.graph.name}' is not started; call scheduler.start() first")
 
-    def run(self, inputs: dict[str, Sequence[Any]] | Sequence[Any], sinks_only: bool = True) -> dict[str, list[Any]]:
-        """Push items through the graph; return ``{sink: [outputs in input order]}``."""
+    def run(self, inputs: dict[str, Sequence[Any]] | Sequence[Any], sinks_only: bool = True,
+            micro_batch: int | str = "auto") -> dict[str, list[Any]]:
+        """Push items through the graph; return ``{sink: [outputs in input order]}``.
+
+        ``micro_batch``: items per actor call. ``"auto"`` packs many small items
+        into one call (1 when there are few items, as with whole PPO batches);
+        handlers still see one item at a time."""
         import ray
 
         self._require_started()
@@ -243,64 +250,75 @@ class HybridScheduler:
         items = {k: list(v) for k, v in inputs.items()}
         counts = {len(v) for v in items.values()}
         if len(counts) != 1:
-            raise DataflowError(f"run(): sources got different numbers of items ({ {k: len(v) for k, v in items.items()} }); "
-                                f"item i of every source shares one id, so give each the same count")
+            sizes = {k: len(v) for k, v in items.items()}
+            raise DataflowError(f"run(): sources got different numbers of items ({sizes}); item i of every "
+                                f"source shares one id, so give each the same count")
         n = counts.pop()
+        mb = self._micro_batch(n, micro_batch)
         keep = list(self.graph.nodes) if not sinks_only else self.graph.sinks()
         watch = set(self.graph.sinks()) | set(self._emitters)
-        result_refs: dict[str, list[Any]] = {k: [None] * n for k in keep}
-        waiting: dict[Any, tuple[int, _Track]] = {}
+        result_refs: dict[str, list[Any]] = {k: [] for k in keep}
+        waiting: dict[Any, _Track] = {}
         pos = 0
         active = 0
         while pos < n or active:
             while pos < n and active < self.window:
-                track = self._submit({s: items[s][pos] for s in sources})
+                size = min(mb, n - pos, max(1, self.window - active))
+                track = self._submit({s: items[s][pos:pos + size] for s in sources}, size)
                 for name in keep:
-                    result_refs[name][pos] = track.refs[name]
+                    result_refs[name].append(track.refs[name])
                 for name in watch:
-                    waiting[track.refs[name]] = (pos, track)
+                    waiting[track.refs[name]] = track
                     track.waiting += 1
-                pos += 1
-                active += 1
+                pos += size
+                active += size
             refs = list(waiting)
-            ready, _ = ray.wait(refs, num_returns=max(1, min(len(refs), active // 4)), fetch_local=False)
+            ready, _ = ray.wait(refs, num_returns=max(1, len(refs) // self._wait_div), fetch_local=False)
             for ref in ready:
-                _, track = waiting.pop(ref)
+                track = waiting.pop(ref)
                 track.waiting -= 1
                 if track.waiting == 0:
-                    active -= 1
+                    active -= track.size
                     self._complete(track)
         try:
-            values = ray.get([r for name in keep for r in result_refs[name]])
+            envs = ray.get([r for name in keep for r in result_refs[name]])
         except Exception as exc:  # noqa: BLE001 - turned into one clear error
             raise self._run_error(exc) from None
         out: dict[str, list[Any]] = {}
-        it = iter(values)
+        it = iter(envs)
         for name in keep:
-            out[name] = [next(it)[1] for _ in range(n)]
+            vals: list[Any] = []
+            for _ in result_refs[name]:
+                vals.extend(next(it)[1])
+            out[name] = vals
         with self._lock:
             self._items_out += n
         return out
 
-    def _submit(self, values: dict[str, Any]) -> _Track:
+    def _micro_batch(self, n: int, micro_batch: int | str) -> int:
+        if micro_batch == "auto":
+            slots = sum(max(1, len(self._routable[node])) for node in self.graph.nodes)
+            return max(1, min(32, n // (8 * slots), self.window // (2 * slots)))
+        if not isinstance(micro_batch, int) or micro_batch < 1:
+            raise DataflowError(f"run(): micro_batch={micro_batch!r} must be an int >= 1 or 'auto'")
+        return min(micro_batch, self.window)
+
+    def _submit(self, values: dict[str, list], size: int) -> _Track:
         key = next(self._item_ids)
-        track = _Track(key)
+        track = _Track(key, size)
         with self._lock:
-            self._items_in += 1
+            self._items_in += size
             for node in self._order:
                 ins = self._in_data[node]
                 inst = self._choose(node, track)
                 strong = self._strong_in[node]
+                args = [track.refs[e.src_name] for e in ins] if ins else [values[node]]
                 required = {k: self._board[k] for k in strong if k in self._board} if strong else None
-                if ins:
-                    if len(ins) == 1:
-                        meta = (key, (ins[0].key,), required, None)
-                    else:
-                        meta = (key, tuple(e.key for e in ins), required, tuple(e.src_name for e in ins))
-                    ref = inst.handle.run.remote(meta, *[track.refs[e.src_name] for e in ins])
+                if required:
+                    ref = inst.handle.run_required.remote(required, *args)
                 else:
-                    ref = inst.handle.run.remote((key, None, required, None), values[node])
-                inst.outstanding += 1
+                    ref = inst.handle.run.remote(*args)
+                inst.outstanding += size
                 track.refs[node] = ref
                 track.insts[node] = inst
             self._live[key] = track
@@ -319,7 +337,7 @@ class HybridScheduler:
             if same:
                 cands = same
             else:
-                self._edge[f"{partners[0]}->{node}"]["cross_node"] += 1
+                self._edge[f"{partners[0]}->{node}"]["cross_node"] += track.size
         if len(cands) == 1:
             return cands[0]
         return min(cands, key=lambda c: c.outstanding)
@@ -335,12 +353,12 @@ class HybridScheduler:
             for data_type, version, payload in env[2] or ():
                 edge = next(e for e in self.graph.out_edges(node, control=True)
                             if (e.data_type or e.key) == data_type)
-                self._publish(edge, payload, version, src=node)
+                self._publish(edge, payload, version, src=node, strict=False)
         with self._lock:
             for inst in track.insts.values():
-                inst.outstanding -= 1
+                inst.outstanding -= track.size
             for e in self.graph.data_edges():
-                self._edge[e.key]["items"] += 1
+                self._edge[e.key]["items"] += track.size
             self._live.pop(track.key, None)
 
     def _run_error(self, exc: BaseException) -> DataflowError:
@@ -369,13 +387,18 @@ class HybridScheduler:
             raise DataflowError(f"edge {e.key} is a data edge; send_control needs a control edge")
         self._publish(e, payload, version, src="driver", delay_s=_delay_s)
 
-    def _publish(self, e: Edge, payload: Any, version: int, src: str, delay_s: float = 0.0) -> None:
+    def _publish(self, e: Edge, payload: Any, version: int, src: str, delay_s: float = 0.0,
+                 strict: bool = True) -> None:
         import ray
 
         if not isinstance(version, int) or isinstance(version, bool):
             raise DataflowError(f"control edge {e.key}: version {version!r} must be an int")
         with self._lock:
             prev = self._board.get(e.key)
+            if prev is not None and version <= prev[1] and not strict:
+                self._decide(f"Scheduling decision: dropped stale control v{version} from {src} on {e.key} "
+                             f"(v{prev[1]} already published)")
+                return
             if prev is not None and version <= prev[1]:
                 raise DataflowError(f"control edge {e.key}: version {version} is not newer than the published "
                                     f"{prev[1]}; versions must grow")
@@ -393,8 +416,10 @@ class HybridScheduler:
         self._require_started()
         self._node(node_name)
         insts = sorted(self._routable[node_name], key=lambda i: i.index)
+        with self._lock:
+            required = {k: self._board[k] for k in self._strong_in[node_name] if k in self._board} or None
         try:
-            return ray.get([i.handle.call.remote(method, args, kwargs) for i in insts])
+            return ray.get([i.handle.call.remote(method, args, kwargs, required) for i in insts])
         except Exception as exc:  # noqa: BLE001
             raise self._run_error(exc) from None
 
@@ -556,13 +581,13 @@ class HybridScheduler:
         refs = [r for t in tracks for r in t.refs.values()]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) if refs else set()
         for e in self.graph.data_edges():
-            per_inst: dict[str, int] = {}
+            per_inst: dict[str, list[int]] = {}
             for t in tracks:
                 src_ref, dst_ref = t.refs.get(e.src_name), t.refs.get(e.dst_name)
                 if src_ref in ready and dst_ref not in ready:
-                    iid = t.insts[e.dst_name].iid
-                    per_inst[iid] = per_inst.get(iid, 0) + 1
-            q = sum(max(0, c - 1) for c in per_inst.values())
+                    per_inst.setdefault(t.insts[e.dst_name].iid, []).append(t.size)
+            # items delivered to an instance and not done, less the micro-batch it is working on
+            q = sum(sum(sizes) - sizes[0] for sizes in per_inst.values())
             st = self._edge[e.key]
             st["queue"] = q
             st["peak"] = max(st["peak"], q)
@@ -603,22 +628,24 @@ class HybridScheduler:
             self._backpressure(now)
 
     def _backpressure(self, now: float) -> None:
+        """An edge whose queue, sampled over the last window, has a median at or over
+        its threshold is a sustained bottleneck (a single sample is noise)."""
         for e in self.graph.data_edges():
             st = self._edge[e.key]
-            if st["queue"] > e.threshold:
-                st["over_since"] = st["over_since"] or now
-            else:
-                st["over_since"] = None
+            samples = st.setdefault("samples", [])
+            samples.append((now, st["queue"]))
+            while samples and now - samples[0][0] > self.backpressure_window_s:
+                samples.pop(0)
+            if len(samples) < 3 or now - samples[0][0] < 0.8 * self.backpressure_window_s:
                 continue
-            if now - st["over_since"] < self.backpressure_window_s:
-                continue
-            if now - st["last_action"] < self.backpressure_window_s:
+            median = sorted(q for _, q in samples)[len(samples) // 2]
+            if median < e.threshold or now - st["last_action"] < self.backpressure_window_s:
                 continue
             st["last_action"] = now
-            st["over_since"] = None
+            samples.clear()
             dst, src = self.graph.nodes[e.dst_name], self.graph.nodes[e.src_name]
-            reason = (f"backpressure: queue on {e.key} at {st['queue']} > threshold {e.threshold} "
-                      f"for {self.backpressure_window_s:g}s")
+            reason = (f"backpressure: queue on {e.key} at median {median} >= threshold {e.threshold} "
+                      f"over {self.backpressure_window_s:g}s")
             p_dst = len(self._routable[dst.name])
             if dst.max_parallelism is None or p_dst < dst.max_parallelism:
                 if self.adjust_parallelism(dst.name, p_dst + 1, reason) > p_dst:

@@ -23,6 +23,7 @@ import ray
 
 from hpc_verl.dataflow import context as _context
 from hpc_verl.dataflow.context import ControlMessage, WorkerContext
+from hpc_verl.dataflow.graph import DataflowRunError
 
 LATENCY_WINDOW = 1024
 
@@ -66,7 +67,9 @@ class DataflowWorker:
             self.obj = None
             self.handler = target
             self.on_control = None
-        self.join = bool(spec.get("join"))
+        self.in_keys = tuple(spec.get("in_keys", ()))
+        self.in_srcs = tuple(spec.get("in_srcs", ()))
+        self.join = len(self.in_keys) > 1
         self.edge_of = dict(spec.get("edge_of", {}))  # control edge key -> data_type
         self.processed = 0
         self.busy_s = 0.0
@@ -120,23 +123,31 @@ class DataflowWorker:
         return True
 
     # ---- default group: items and calls -------------------------------------------
-    def run(self, meta: tuple, *inputs: Any) -> tuple[float, Any, Any]:
+    def run(self, *inputs: Any) -> tuple[float, list, Any]:
+        """Process one micro-batch. Inputs: one envelope per incoming data edge (in
+        the order of ``spec['in_keys']``), or the raw list of items at a source."""
+        return self._run(None, inputs)
+
+    def run_required(self, required: dict, *inputs: Any) -> tuple[float, list, Any]:
+        """Like run, but first catch up to the required version of each strong control edge."""
+        return self._run(required, inputs)
+
+    def _run(self, required: dict | None, inputs: tuple) -> tuple[float, list, Any]:
         t0 = time.time()
-        keys, required = meta[1], meta[2]
+        keys = self.in_keys
         if keys:
-            values = []
             for key, env in zip(keys, inputs):
                 buf = self.latency.get(key)
                 if buf is None:
                     buf = self.latency[key] = deque(maxlen=LATENCY_WINDOW)
                 buf.append(t0 - env[0])
-                values.append(env[1])
             if self.join:
-                item = dict(zip(meta[3], values))
+                batch = [dict(zip(self.in_srcs, vals)) for vals in zip(*[env[1] for env in inputs])]
             else:
-                item = values[0]
+                batch = inputs[0][1]
         else:
-            item = inputs[0]
+            batch = inputs[0]
+        handler = self.handler
         with self.lock:
             if required:
                 for edge, (src, version, refs) in required.items():
@@ -144,19 +155,25 @@ class DataflowWorker:
                         self._apply(edge, src, version, refs)
             emitted = self.ctx._emitted = []
             try:
-                out = self.handler(item)
-            except BaseException:
+                outs = [handler(x) for x in batch]
+            except Exception as exc:
                 self.errors += 1
-                raise
+                text = str(exc).strip()
+                first = text.splitlines()[-1] if text else ""
+                raise DataflowRunError(f"a node failed in {self.ctx.instance_id}: {type(exc).__name__}: "
+                                       f"{first}") from None
             finally:
                 self.ctx._emitted = []
         t1 = time.time()
-        self.processed += 1
+        self.processed += len(batch)
         self.busy_s += t1 - t0
-        return (t1, out, emitted or None)
+        return (t1, outs, emitted or None)
 
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def call(self, method: str, args: tuple, kwargs: dict, required: dict | None = None) -> Any:
         with self.lock:
+            for edge, (src, version, refs) in (required or {}).items():
+                if self.ctx.versions.get(edge, -1) < version:
+                    self._apply(edge, src, version, refs)
             target = self.obj if self.obj is not None else None
             if target is None or not hasattr(target, method):
                 from hpc_verl.errors import DataflowError
