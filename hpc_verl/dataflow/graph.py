@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Union
 
 from hpc_verl.errors import DataflowError
@@ -101,7 +101,6 @@ class Edge:
     consistency: str = "eventual"
     capacity: int = 256
     threshold: int | None = None
-    _graph_added: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCIES:

@@ -261,29 +261,31 @@ class HybridScheduler:
         waiting: dict[Any, _Track] = {}
         pos = 0
         active = 0
-        while pos < n or active:
-            while pos < n and active < self.window:
-                size = min(mb, n - pos, max(1, self.window - active))
-                track = self._submit({s: items[s][pos:pos + size] for s in sources}, size)
-                for name in keep:
-                    result_refs[name].append(track.refs[name])
-                for name in watch:
-                    waiting[track.refs[name]] = track
-                    track.waiting += 1
-                pos += size
-                active += size
-            refs = list(waiting)
-            ready, _ = ray.wait(refs, num_returns=max(1, len(refs) // self._wait_div), fetch_local=False)
-            for ref in ready:
-                track = waiting.pop(ref)
-                track.waiting -= 1
-                if track.waiting == 0:
-                    active -= track.size
-                    self._complete(track)
         try:
+            while pos < n or active:
+                while pos < n and active < self.window:
+                    size = min(mb, n - pos, max(1, self.window - active))
+                    track = self._submit({s: items[s][pos:pos + size] for s in sources}, size)
+                    for name in keep:
+                        result_refs[name].append(track.refs[name])
+                    for name in watch:
+                        waiting[track.refs[name]] = track
+                        track.waiting += 1
+                    pos += size
+                    active += size
+                refs = list(waiting)
+                ready, _ = ray.wait(refs, num_returns=max(1, len(refs) // self._wait_div), fetch_local=False)
+                for ref in ready:
+                    track = waiting.pop(ref)
+                    track.waiting -= 1
+                    if track.waiting == 0:
+                        active -= track.size
+                        self._complete(track)
             envs = ray.get([r for name in keep for r in result_refs[name]])
         except Exception as exc:  # noqa: BLE001 - turned into one clear error
             raise self._run_error(exc) from None
+        finally:
+            self._abandon({id(t): t for t in waiting.values()}.values())
         out: dict[str, list[Any]] = {}
         it = iter(envs)
         for name in keep:
@@ -294,6 +296,14 @@ class HybridScheduler:
         with self._lock:
             self._items_out += n
         return out
+
+    def _abandon(self, tracks: Any) -> None:
+        """Forget items a failed run left in flight (their instances may be drained)."""
+        with self._lock:
+            for track in tracks:
+                if self._live.pop(track.key, None) is not None:
+                    for inst in track.insts.values():
+                        inst.outstanding -= track.size
 
     def _micro_batch(self, n: int, micro_batch: int | str) -> int:
         if micro_batch == "auto":
@@ -345,6 +355,13 @@ class HybridScheduler:
     def _complete(self, track: _Track) -> None:
         import ray
 
+        with self._lock:
+            if self._live.pop(track.key, None) is None:
+                return
+            for inst in track.insts.values():
+                inst.outstanding -= track.size
+            for e in self.graph.data_edges():
+                self._edge[e.key]["items"] += track.size
         for node in self._emitters:
             try:
                 env = ray.get(track.refs[node])
@@ -354,12 +371,6 @@ class HybridScheduler:
                 edge = next(e for e in self.graph.out_edges(node, control=True)
                             if (e.data_type or e.key) == data_type)
                 self._publish(edge, payload, version, src=node, strict=False)
-        with self._lock:
-            for inst in track.insts.values():
-                inst.outstanding -= track.size
-            for e in self.graph.data_edges():
-                self._edge[e.key]["items"] += track.size
-            self._live.pop(track.key, None)
 
     def _run_error(self, exc: BaseException) -> DataflowError:
         import ray
