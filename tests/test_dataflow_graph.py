@@ -43,6 +43,16 @@ def test_cycle_of_data_edges_is_rejected_but_control_edges_close_the_loop():
     assert g.sources() == ["a"] and g.sinks() == ["c"]
 
 
+def test_seed_style_keywords():
+    g = DataflowGraph("seed")
+    with g:
+        actor = Node(name="actor_rollout", func=identity, resources={"GPU": 2}, parallelism=8)
+        reward = Node(name="reward_score", func=identity, resources={"GPU": 0.5}, parallelism=16)
+        Edge(src=actor, dst=reward, data_type="rollout_batch")
+    g.validate()
+    assert g.nodes["reward_score"].gpus == 0.5 and g.edge("rollout_batch").dst_name == "reward_score"
+
+
 def test_bad_values_give_one_line_errors():
     with pytest.raises(DataflowError, match="parallelism=0"):
         Node("x", identity, parallelism=0)

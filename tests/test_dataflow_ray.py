@@ -82,7 +82,10 @@ def test_ppo_graph_places_as_planned_runs_iterations_and_shows_on_dashboard(clus
             for b in out:  # the co-located edge never crossed nodes
                 assert b["rollout"]["ray_node_id"] == b["reward"]["ray_node_id"]
         assert sched.call_all("actor_rollout", "get_version") == [3, 3, 3, 3]
-        assert len(sched.call_all("critic_train", "save_checkpoint", "/ckpt")) == 2
+        assert sched.call_all("critic_train", "save_checkpoint", "/ckpt") == ["/ckpt/critic_train_0:6",
+                                                                             "/ckpt/critic_train_1:6"]
+        assert sched.call_each("critic_train", "save_checkpoint", [("/a",), ("/b",)]) == ["/a/critic_train_0:6",
+                                                                                          "/b/critic_train_1:6"]
 
         with pytest.warns(UserWarning):
             assert sched.disable_ulysses("reward_score") is False

@@ -39,7 +39,7 @@ class DataflowRunError(DataflowError):
 class Node:
     """One stage of the dataflow: ``parallelism`` instances of a function or a class."""
 
-    def __init__(self, name: str, target: Union[Callable[..., Any], type], resources: dict[str, float] | None = None,
+    def __init__(self, name: str, target: Union[Callable[..., Any], type, None] = None, resources: dict[str, float] | None = None,
                  parallelism: int = 1, *, init_args: Iterable[Any] = (), init_kwargs: dict[str, Any] | None = None,
                  method: str = "process", control_method: str = "on_control", ulysses: bool | None = None,
                  min_parallelism: int = 1, max_parallelism: int | None = None, func: Any = None) -> None:

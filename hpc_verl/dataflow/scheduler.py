@@ -434,6 +434,24 @@ class HybridScheduler:
         except Exception as exc:  # noqa: BLE001
             raise self._run_error(exc) from None
 
+    def call_each(self, node_name: str, method: str, args_per_instance: Sequence[tuple]) -> list[Any]:
+        """Call ``method(*args_per_instance[i])`` on instance i (e.g. one data shard each)."""
+        import ray
+
+        self._require_started()
+        self._node(node_name)
+        insts = sorted(self._routable[node_name], key=lambda i: i.index)
+        if len(args_per_instance) != len(insts):
+            raise DataflowError(f"call_each('{node_name}', '{method}'): {len(args_per_instance)} argument tuples "
+                                f"for {len(insts)} instances; give one per instance")
+        with self._lock:
+            required = {k: self._board[k] for k in self._strong_in[node_name] if k in self._board} or None
+        try:
+            return ray.get([i.handle.call.remote(method, tuple(a), {}, required)
+                            for i, a in zip(insts, args_per_instance)])
+        except Exception as exc:  # noqa: BLE001
+            raise self._run_error(exc) from None
+
     def instances(self, node_name: str) -> list[str]:
         self._node(node_name)
         return [i.iid for i in sorted(self._routable[node_name], key=lambda i: i.index)]
