@@ -115,6 +115,20 @@ def test_ppo_plan_colocates_stages_and_shares_bundles():
     json.dumps(plan.to_dict())
 
 
+def test_eight_rollouts_on_two_by_four_form_two_stages():
+    g = DataflowGraph("staged")
+    with g:
+        Node("actor_rollout", Stage, resources={"GPU": 1}, parallelism=8)
+    plan = make_plan(g, two_by_four())
+    by_stage: dict[int, list] = {}
+    for inst in plan.for_node("actor_rollout"):
+        by_stage.setdefault(inst.stage, []).append(inst)
+    assert sorted(by_stage) == [0, 1]
+    for members in by_stage.values():
+        assert len({m.ray_node_id for m in members}) == 1
+        assert sorted(g for m in members for g in m.gpu_slots) == [0, 1, 2, 3]
+
+
 def test_small_items_colocate_like_co_locate():
     g = DataflowGraph("small")
     with g:

@@ -147,6 +147,25 @@ def test_backpressure_adds_consumers_with_bounded_queue_and_no_loss(cluster):
     assert status["nodes"]["consumer"]["processed"] == 200
 
 
+def test_backpressure_lowers_the_producer_when_the_consumer_cannot_grow(cluster):
+    graph = DataflowGraph("bp_down")
+    with graph:
+        prod = Node("producer", Stage, init_kwargs={"delay_s": 0.01}, parallelism=2)
+        cons = Node("consumer", Stage, init_kwargs={"delay_s": 0.03}, max_parallelism=1)
+        Edge(prod, cons, capacity=12)
+    sched = HybridScheduler(graph, backpressure_window_s=0.3, monitor_interval_s=0.05)
+    try:
+        sched.start()
+        out = sched.run([{"id": i} for i in range(80)], micro_batch=1)["consumer"]
+        status = sched.get_status()
+    finally:
+        sched.shutdown()
+    assert [o["id"] for o in out] == list(range(80))
+    assert status["nodes"]["producer"]["parallelism"] == 1
+    assert any("lowered producer parallelism 2 -> 1 (backpressure" in d for d in status["decisions"])
+    assert status["nodes"]["producer"]["processed"] == 80
+
+
 def test_live_scale_up_and_down_loses_nothing(cluster):
     graph = DataflowGraph("scale")
     with graph:
