@@ -245,6 +245,32 @@ def test_strong_consistency_rejects_stale_versions_under_delays(cluster):
         sched.shutdown()
 
 
+def test_service_node_publishes_policy_through_call_all(cluster):
+    from hpc_verl.dataflow.examples import PolicyUpdater
+
+    graph = DataflowGraph("service")
+    with graph:
+        rollout = Node("rollout", RolloutSim, parallelism=2)
+        reward = Node("reward", _trainer)
+        updater = Node("actor_update", PolicyUpdater)
+        Edge(rollout, reward, co_locate=True)
+        Edge(updater, rollout, data_type="policy", control=True, consistency="strong")
+    assert graph.sources() == ["rollout"] and graph.sinks() == ["reward"]
+    assert graph.services() == ["actor_update"]
+    sched = HybridScheduler(graph, backpressure=False)
+    try:
+        sched.start()
+        for step in range(1, 4):
+            out = sched.run({"rollout": [{"prompts": [i]} for i in range(4)]}, sinks_only=False)
+            assert set(out) == {"rollout", "reward"}
+            assert sched.call_all("actor_update", "update", out["reward"]) == [step]
+            out = sched.run([{"prompts": [0]}, {"prompts": [1]}])["reward"]
+            assert {o["policy_version"] for o in out} == {step}
+        assert sched.get_status()["edges"]["actor_update->rollout"]["version"] == 3
+    finally:
+        sched.shutdown()
+
+
 def test_handler_error_is_one_clear_line(cluster):
     def boom(item):
         raise ValueError(f"bad item {item}")

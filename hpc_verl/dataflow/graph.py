@@ -185,13 +185,27 @@ class DataflowGraph:
     def out_edges(self, node: str, control: bool | None = False) -> list[Edge]:
         return [e for e in self.edges if e.src_name == node and (control is None or e.control == control)]
 
+    def services(self) -> list[str]:
+        """Nodes without any data edge in a graph that has data edges: driven only by
+        ``call_all``/control messages (e.g. the actor update), never fed by ``run``."""
+        if not self.data_edges():
+            return []
+        return [n for n in self.nodes if not self.in_edges(n) and not self.out_edges(n)]
+
+    def flow_nodes(self) -> list[str]:
+        """Nodes that items pass through, in topological order."""
+        services = set(self.services())
+        return [n for n in self.topo_order() if n not in services]
+
     def sources(self) -> list[str]:
-        """Nodes fed by the driver: no incoming data edge."""
-        return [n for n in self.nodes if not self.in_edges(n)]
+        """Nodes fed by the driver: no incoming data edge (services excluded)."""
+        services = set(self.services())
+        return [n for n in self.nodes if not self.in_edges(n) and n not in services]
 
     def sinks(self) -> list[str]:
-        """Nodes whose outputs go back to the driver: no outgoing data edge."""
-        return [n for n in self.nodes if not self.out_edges(n)]
+        """Nodes whose outputs go back to the driver: no outgoing data edge (services excluded)."""
+        services = set(self.services())
+        return [n for n in self.nodes if not self.out_edges(n) and n not in services]
 
     def edge(self, ref: Union[Edge, str]) -> Edge:
         """Find an edge by object, ``"src->dst"`` or the data_type of a control edge."""

@@ -82,6 +82,7 @@ class HybridScheduler(MonitorMixin):
         self._live: dict[int, _Track] = {}
         self._item_ids = itertools.count()
         self._order = graph.topo_order()
+        self._flow = graph.flow_nodes()
         self._in_data = {n: graph.in_edges(n) for n in graph.nodes}
         self._strong_in = {n: [e.key for e in graph.in_edges(n, control=True) if e.consistency == "strong"]
                            for n in graph.nodes}
@@ -256,8 +257,8 @@ class HybridScheduler(MonitorMixin):
                                 f"source shares one id, so give each the same count")
         n = counts.pop()
         mb = self._micro_batch(n, micro_batch)
-        keep = list(self.graph.nodes) if not sinks_only else self.graph.sinks()
-        watch = set(self.graph.sinks()) | set(self._emitters)
+        keep = list(self._flow) if not sinks_only else self.graph.sinks()
+        watch = set(self.graph.sinks()) | (set(self._emitters) & set(self._flow))
         result_refs: dict[str, list[Any]] = {k: [] for k in keep}
         waiting: dict[Any, _Track] = {}
         pos = 0
@@ -308,7 +309,7 @@ class HybridScheduler(MonitorMixin):
 
     def _micro_batch(self, n: int, micro_batch: int | str) -> int:
         if micro_batch == "auto":
-            slots = sum(max(1, len(self._routable[node])) for node in self.graph.nodes)
+            slots = sum(max(1, len(self._routable[node])) for node in self._flow)
             return max(1, min(32, n // (8 * slots), self.window // (2 * slots)))
         if not isinstance(micro_batch, int) or micro_batch < 1:
             raise DataflowError(f"run(): micro_batch={micro_batch!r} must be an int >= 1 or 'auto'")
@@ -319,7 +320,7 @@ class HybridScheduler(MonitorMixin):
         track = _Track(key, size)
         with self._lock:
             self._items_in += size
-            for node in self._order:
+            for node in self._flow:
                 ins = self._in_data[node]
                 inst = self._choose(node, track)
                 strong = self._strong_in[node]
@@ -364,6 +365,8 @@ class HybridScheduler(MonitorMixin):
             for e in self.graph.data_edges():
                 self._edge[e.key]["items"] += track.size
         for node in self._emitters:
+            if node not in track.refs:
+                continue
             try:
                 env = ray.get(track.refs[node])
             except Exception as exc:  # noqa: BLE001
@@ -423,22 +426,30 @@ class HybridScheduler(MonitorMixin):
     # ---- runtime control -----------------------------------------------------------
     def call_all(self, node_name: str, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every live instance of a class node; results in instance order."""
-        import ray
-
         self._require_started()
         self._node(node_name)
         insts = sorted(self._routable[node_name], key=lambda i: i.index)
         with self._lock:
             required = {k: self._board[k] for k in self._strong_in[node_name] if k in self._board} or None
+        return self._gather_calls(node_name, [i.handle.call.remote(method, args, kwargs, required) for i in insts])
+
+    def _gather_calls(self, node_name: str, refs: list) -> list[Any]:
+        """Results of instance calls; control messages they emitted are published."""
+        import ray
+
         try:
-            return ray.get([i.handle.call.remote(method, args, kwargs, required) for i in insts])
+            pairs = ray.get(refs)
         except Exception as exc:  # noqa: BLE001
             raise self._run_error(exc) from None
+        for _, emitted in pairs:
+            for data_type, version, payload in emitted or ():
+                edge = next(e for e in self.graph.out_edges(node_name, control=True)
+                            if (e.data_type or e.key) == data_type)
+                self._publish(edge, payload, version, src=node_name, strict=False)
+        return [result for result, _ in pairs]
 
     def call_each(self, node_name: str, method: str, args_per_instance: Sequence[tuple]) -> list[Any]:
         """Call ``method(*args_per_instance[i])`` on instance i (e.g. one data shard each)."""
-        import ray
-
         self._require_started()
         self._node(node_name)
         insts = sorted(self._routable[node_name], key=lambda i: i.index)
@@ -447,11 +458,8 @@ class HybridScheduler(MonitorMixin):
                                 f"for {len(insts)} instances; give one per instance")
         with self._lock:
             required = {k: self._board[k] for k in self._strong_in[node_name] if k in self._board} or None
-        try:
-            return ray.get([i.handle.call.remote(method, tuple(a), {}, required)
-                            for i, a in zip(insts, args_per_instance)])
-        except Exception as exc:  # noqa: BLE001
-            raise self._run_error(exc) from None
+        return self._gather_calls(node_name, [i.handle.call.remote(method, tuple(a), {}, required)
+                                              for i, a in zip(insts, args_per_instance)])
 
     def instances(self, node_name: str) -> list[str]:
         self._node(node_name)
@@ -590,7 +598,8 @@ class HybridScheduler(MonitorMixin):
         import ray
 
         has = ray.get([i.handle.has_method.remote("set_ulysses") for i in insts]) if insts else []
-        ray.get([i.handle.call.remote("set_ulysses", (enabled,), {}) for i, h in zip(insts, has) if h])
+        self._gather_calls(insts[0].node if insts else "", [i.handle.call.remote("set_ulysses", (enabled,), {})
+                                                             for i, h in zip(insts, has) if h])
 
     # ---- teardown ------------------------------------------------------------------
     def shutdown(self) -> None:
