@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 # node functions defined in this module travel to the workers by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +231,7 @@ def test_strong_consistency_rejects_stale_versions_under_delays(cluster):
         assert sched.call_all("rollout", "get_version") == [2, 2]
         status = sched.get_status()
         assert status["edges"]["trainer->rollout"]["stale_rejected"] == 2
+        assert sum("rejected stale control v1 on trainer->rollout (holds v2)" in d for d in status["decisions"]) == 2
         # a delayed broadcast cannot make an item run stale: v3 is slow to arrive,
         # yet items submitted after it carry v3 and the instances catch up themselves
         sched.send_control("updated_policy", {"w": 3}, version=3, _delay_s=1.0)

@@ -59,9 +59,15 @@ class MonitorMixin:
         for inst, ref in zip(insts, refs):
             if ref in ready_set:
                 try:
-                    inst.stats = ray.get(ref)
+                    stats = ray.get(ref)
                 except Exception:  # noqa: BLE001 - a dying instance
-                    pass
+                    continue
+                old = sum(inst.stats.get("stale_rejected", {}).values())
+                new = sum(stats.get("stale_rejected", {}).values())
+                for edge, version, held in stats.get("rejections", [])[-(new - old):] if new > old else ():
+                    self._decide(f"Consistency: {inst.iid} rejected stale control v{version} on {edge} "
+                                 f"(holds v{held})")
+                inst.stats = stats
         now = time.monotonic()
         for node in self.graph.nodes:
             done = self._retired[node] + sum(int(i.stats.get("processed", 0)) for i in self._instances[node])

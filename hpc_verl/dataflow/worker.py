@@ -75,6 +75,7 @@ class DataflowWorker:
         self.processed = 0
         self.busy_s = 0.0
         self.stale_rejected: dict[str, int] = {}
+        self.rejections: list[tuple[str, int, int]] = []  # (edge, stale version, version held)
         self.latency: dict[str, deque] = {}
         self.errors = 0
 
@@ -95,6 +96,7 @@ class DataflowWorker:
                             "p95_ms": 1000 * vals[min(len(vals) - 1, int(0.95 * len(vals)))]}
         return {"processed": self.processed, "busy_s": self.busy_s, "latency": lat,
                 "versions": dict(self.ctx.versions), "stale_rejected": dict(self.stale_rejected),
+                "rejections": list(self.rejections[-64:]),
                 "gpu_memory": _gpu_memory(), "errors": self.errors}
 
     # ---- control group ------------------------------------------------------------
@@ -112,6 +114,7 @@ class DataflowWorker:
         if version <= current:
             if version < current:
                 self.stale_rejected[edge] = self.stale_rejected.get(edge, 0) + 1
+                self.rejections.append((edge, version, current))
             return False
         payload = ray.get(refs[0])
         data_type = self.edge_of.get(edge, edge)
