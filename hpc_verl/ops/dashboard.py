@@ -127,8 +127,11 @@ def render(snapshots: list[dict[str, Any]]) -> Any:
             kind = f"control/{e['consistency']}" if e.get("control") else ("data/co-located" if e.get("co_located")
                                                                            else "data")
             lat = "-" if e.get("latency_ms_mean") is None else f"{e['latency_ms_mean']:.1f}/{e['latency_ms_p95']:.1f}"
-            qs = f"{e.get('queue_length')}/{e.get('peak_queue_length')}/{e.get('capacity')}"
-            ver = "-" if not e.get("control") else f"v{e.get('version')} (stale rejected {e.get('stale_rejected', 0)})"
+            qs = "-" if e.get("control") else f"{e.get('queue_length')}/{e.get('peak_queue_length')}/{e.get('capacity')}"
+            ver = "-"
+            if e.get("control"):
+                ver = "none yet" if e.get("version") is None else f"v{e['version']}"
+                ver += f" (stale rejected {e.get('stale_rejected', 0)})"
             edges.add_row(key, kind, qs, lat, str(e.get("items")), ver)
         log = Text("\n".join(snap.get("decisions", [])[-12:]) or "(no decisions yet)")
         age = time.time() - float(snap.get("time", time.time()))
