@@ -288,3 +288,17 @@ def test_handler_error_is_one_clear_line(cluster):
             HybridScheduler(graph, backpressure=False).start()
     finally:
         sched.shutdown()
+
+    class BadInit:
+        def __init__(self):
+            raise RuntimeError("no model at /nowhere")
+
+        def process(self, item):
+            return item
+
+    bad = DataflowGraph("bad_init")
+    bad.add(Node("rollout", BadInit))
+    sched = HybridScheduler(bad, backpressure=False)
+    with pytest.raises(DataflowError, match=r"rollout_0 failed to start: .*no model at /nowhere"):
+        sched.start()
+    assert not sched._instances["rollout"] and not sched._pgs  # cleaned up what it made

@@ -212,10 +212,18 @@ class HybridScheduler(MonitorMixin):
     def _collect_info(self, insts: list[_Instance]) -> None:
         import ray
 
+        refs = [i.handle.info.remote() for i in insts]
         try:
-            infos = ray.get([i.handle.info.remote() for i in insts], timeout=self.start_timeout_s)
-        except ray.exceptions.RayActorError as exc:
-            raise DataflowError(f"graph '{self.graph.name}': an instance failed to start: {exc}") from None
+            infos = ray.get(refs, timeout=self.start_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            for inst, ref in zip(insts, refs):
+                try:
+                    ray.get(ref, timeout=self.start_timeout_s)
+                except Exception as exc:  # noqa: BLE001 - reported as one line
+                    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+                    last = lines[-1] if lines else type(exc).__name__
+                    raise DataflowError(f"graph '{self.graph.name}': {inst.iid} failed to start: {last}") from None
+            raise
         except ray.exceptions.GetTimeoutError:
             raise DataflowError(f"graph '{self.graph.name}': instances not up after {self.start_timeout_s:g}s") from None
         for inst, info in zip(insts, infos):
