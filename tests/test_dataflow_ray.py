@@ -109,6 +109,20 @@ def test_ppo_graph_places_as_planned_runs_iterations_and_shows_on_dashboard(clus
         assert set(snap["edges"]) == {e.key for e in graph.edges}
         assert all(len(snap["nodes"][n]["workers"]) == graph.nodes[n].parallelism for n in graph.nodes)
         assert any(row["memory"] == "n/a" for row in snap["gpus"].values())
+        # the standalone verl-scheduler-dashboard (installed console script when
+        # present, else the same main via -m) sees the same graph
+        import os
+        import subprocess
+        from pathlib import Path
+
+        script = Path(sys.executable).parent / "verl-scheduler-dashboard"
+        cmd = [str(script)] if script.exists() else [sys.executable, "-m", "hpc_verl.ops.dashboard"]
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        res = subprocess.run([*cmd, "--address", address, "--once", "--json"], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        snap = {g["graph"]: g for g in json.loads(res.stdout)["graphs"]}["ppo_sim"]
+        assert set(snap["nodes"]) == set(graph.nodes) and set(snap["edges"]) == {e.key for e in graph.edges}
         # the rich view renders too (one frame)
         res = cli("dashboard", "--address", address, "--once", "--graph", "ppo_sim", timeout=120,
                   env={"COLUMNS": "200"})
