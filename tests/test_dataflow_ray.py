@@ -260,7 +260,7 @@ def test_strong_consistency_rejects_stale_versions_under_delays(cluster):
         sched.shutdown()
 
 
-def test_service_node_publishes_policy_through_call_all(cluster):
+def test_service_node_publishes_policy_through_call_all(cluster, tmp_path):
     from hpc_verl.dataflow.examples import PolicyUpdater
 
     graph = DataflowGraph("service")
@@ -272,7 +272,8 @@ def test_service_node_publishes_policy_through_call_all(cluster):
         Edge(updater, rollout, data_type="policy", control=True, consistency="strong")
     assert graph.sources() == ["rollout"] and graph.sinks() == ["reward"]
     assert graph.services() == ["actor_update"]
-    sched = HybridScheduler(graph, backpressure=False)
+    status_file = tmp_path / "run" / "dataflow_status.json"
+    sched = HybridScheduler(graph, backpressure=False, status_file=str(status_file), stats_interval_s=0.2)
     try:
         sched.start()
         for step in range(1, 4):
@@ -282,6 +283,9 @@ def test_service_node_publishes_policy_through_call_all(cluster):
             out = sched.run([{"prompts": [0]}, {"prompts": [1]}])["reward"]
             assert {o["policy_version"] for o in out} == {step}
         assert sched.get_status()["edges"]["actor_update->rollout"]["version"] == 3
+        time.sleep(0.5)  # the monitor rewrites the status file (atomically) as it goes
+        on_disk = json.loads(status_file.read_text())
+        assert on_disk["graph"] == "service" and on_disk["edges"]["actor_update->rollout"]["version"] == 3
     finally:
         sched.shutdown()
 
