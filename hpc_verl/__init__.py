@@ -25,6 +25,10 @@ _LAZY: dict[str, str] = {
     "check_ppo_arithmetic": "hpc_verl.launch.batch_checks",
     "run_doctor": "hpc_verl.ops.doctor",
     "make_plan": "hpc_verl.ops.plan",
+    "DataflowGraph": "hpc_verl.dataflow",
+    "Node": "hpc_verl.dataflow",
+    "Edge": "hpc_verl.dataflow",
+    "HybridScheduler": "hpc_verl.dataflow",
 }
 
 
