@@ -291,11 +291,25 @@ def test_cli_ib_profile_reports_missing_ib_as_fail(cli):
     assert checks["container-ib"]["status"] == "FAIL" and checks["container-ib"]["fix"]
 
 
+def _block_free(start: int, count: int) -> bool:
+    import socket
+    for port in range(start, start + count):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+    return True
+
+
 def test_cli_ib_profile_on_a_healthy_fake_node(cli, tmp_path):
     roots = healthy(tmp_path)
+    # Ports are real: pick a job whose block (ib-a100: base 20000, stride 100) is free right now,
+    # since other Ray clusters on this machine may hold some block.
+    job_id = next(j for j in range(3, 400) if _block_free(20000 + j * 100, 100))
     res = cli("doctor", "--profile", "ib-a100", "--set", "container.runtime=podman", "--json",
               "--sysfs-root", str(roots.sysfs), "--proc-root", str(roots.proc), "--dev-root", str(roots.dev),
-              "--shm-path", str(roots.shm), "--job-id", "3")
+              "--shm-path", str(roots.shm), "--job-id", str(job_id))
     out = json.loads(res.stdout)
     statuses = {c["name"]: c["status"] for c in out["checks"]}
     assert res.returncode == 0, statuses
