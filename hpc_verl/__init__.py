@@ -11,7 +11,11 @@ from typing import Any
 from hpc_verl._version import __version__
 
 # public name -> module that defines it
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "PPOTrainer": "hpc_verl.trainer.ppo",
+    "load_config": "hpc_verl.trainer.config",
+    "check_batch_arithmetic": "hpc_verl.trainer.config",
+}
 
 
 def __getattr__(name: str) -> Any:
