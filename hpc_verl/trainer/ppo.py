@@ -89,6 +89,7 @@ class PPOTrainer:
         self.last_checkpoint: Path | None = None
         self.resumed_from: Path | None = None
         self.history: list[dict] = []
+        self.start_step = 0
 
     # ------------------------------------------------------------------ resume / save
     def _resume_path(self) -> Path | None:
@@ -158,7 +159,7 @@ class PPOTrainer:
         self.version = int(m.get("actor/policy_version", self.version))
         self.step += 1
         dt = time.perf_counter() - t0
-        m.update({"step": self.step, "epoch": self.sampler.epoch, "policy_version": self.version,
+        m.update({"step": self.step, "epoch": self.sampler.epoch, "run/start_step": self.start_step, "policy_version": self.version,
                   "data/first_index": batch["sample_index"][0], "timing_s/step": dt,
                   "perf/samples_per_s": m.get("n_responses", 0) / dt,
                   "perf/tokens_per_s": m.get("n_response_tokens", 0) / dt})
@@ -180,6 +181,7 @@ class PPOTrainer:
             resume = self._resume_path()
             if resume is not None:
                 self._restore(resume)
+            self.start_step = self.step
             metrics_log = MetricsLog(self.run_dir, resume_step=self.step)
             progress = StepProgress(self.total_steps, self.step, self.progress_enabled)
             save_freq = self.cfg.trainer.save_freq
