@@ -12,6 +12,10 @@ from hpc_verl._version import __version__
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
+    "DataflowGraph": "hpc_verl.dataflow",
+    "Node": "hpc_verl.dataflow",
+    "Edge": "hpc_verl.dataflow",
+    "HybridScheduler": "hpc_verl.dataflow",
     "PPOTrainer": "hpc_verl.trainer.ppo",
     "load_config": "hpc_verl.trainer.config",
     "check_batch_arithmetic": "hpc_verl.trainer.config",

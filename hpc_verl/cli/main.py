@@ -16,7 +16,8 @@ from hpc_verl._version import __version__
 from hpc_verl.errors import HpcVerlError
 
 # Add a verb by adding its module name here (module hpc_verl.cli.<name>).
-VERB_MODULES: tuple[str, ...] = ("train", "preprocess", "make_tiny_model", "check_model", "plot")
+VERB_MODULES: tuple[str, ...] = ("train", "preprocess", "make_tiny_model", "check_model", "plot",
+                                 "dashboard")
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -1,0 +1,13 @@
+"""The RL dataflow runtime: declare a graph, plan it, run it on Ray.
+
+Nothing here imports Ray at import time; see docs/dataflow.md.
+"""
+from __future__ import annotations
+
+from hpc_verl.dataflow.context import ControlMessage, WorkerContext, current_context
+from hpc_verl.dataflow.graph import DataflowGraph, DataflowRunError, Edge, Node
+from hpc_verl.dataflow.plan import ClusterNode, PlacementPlan, make_plan
+from hpc_verl.dataflow.scheduler import HybridScheduler
+
+__all__ = ["ClusterNode", "ControlMessage", "DataflowGraph", "DataflowRunError", "Edge", "HybridScheduler", "Node",
+           "PlacementPlan", "WorkerContext", "current_context", "make_plan"]

@@ -1,0 +1,53 @@
+"""A simulated multi-node Ray cluster in one process (``ray.cluster_utils.Cluster``)
+for tests and benchmarks: fake GPU counts, small CPU counts, no dashboard, and
+every port picked free (never Ray's defaults, so other clusters on the host are
+never met)."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_args(num_cpus: float, num_gpus: int, head: bool) -> dict[str, Any]:
+    args: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus,
+                            "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(),
+                            "object_store_memory": 80 * 1024 * 1024}
+    if head:
+        args.update(include_dashboard=False, dashboard_port=free_port(), gcs_server_port=free_port())
+    return args
+
+
+def start_sim_cluster(nodes: list[tuple[float, int]], connect: bool = True) -> Any:
+    """Start ``[(num_cpus, num_gpus), ...]`` Ray nodes; connect this process as driver."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cpus, gpus = nodes[0]
+    cluster = Cluster(initialize_head=True, head_node_args=_node_args(cpus, gpus, head=True))
+    try:
+        for cpus, gpus in nodes[1:]:
+            cluster.add_node(**_node_args(cpus, gpus, head=False))
+        cluster.wait_for_nodes()
+        if connect:
+            ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
+def stop_sim_cluster(cluster: Any) -> None:
+    """Disconnect and stop exactly the nodes ``start_sim_cluster`` started."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster.shutdown()

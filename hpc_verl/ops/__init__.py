@@ -1,0 +1,1 @@
+"""Operations: doctor, dashboard, plan advice."""
