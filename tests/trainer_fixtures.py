@@ -29,6 +29,8 @@ def digit_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: t
             "data.max_prompt_length=16", "data.max_response_length=4", "data.train_batch_size=16",
             "actor_rollout_ref.rollout.n=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0",
-            "actor_rollout_ref.actor.entropy_coeff=0.01", "algorithm.adv_estimator=grpo", "trainer.device=cpu",
+            "actor_rollout_ref.actor.entropy_coeff=0.01", "algorithm.adv_estimator=grpo",
+            # Dr. GRPO-style (no division by the group std): robust on every seed tried (1-6)
+            "algorithm.norm_adv_by_std_in_grpo=false", "trainer.device=cpu",
             f"trainer.total_training_steps={steps}", f"hpc_verl.run_dir={run_dir}", "hpc_verl.progress=false",
             *extra]

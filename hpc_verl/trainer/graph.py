@@ -79,10 +79,13 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
         if "ref" in roles:
             ref = Node("ref_logprob", N.RefNode, resources=res["ref"], init_args=(cfg,))
         if grpo:
-            adv = Node("advantage", N.AdvantageNode, resources={}, init_args=(cfg,))
+            adv = Node("advantage", N.AdvantageNode, resources={}, init_args=(cfg,), max_parallelism=1)
         else:
-            adv = Node("critic", N.CriticNode, resources=res["critic"], init_args=(cfg, total_steps))
-        actor = Node("actor_update", N.ActorNode, resources=res["actor"], init_args=(cfg, total_steps))
+            adv = Node("critic", N.CriticNode, resources=res["critic"], init_args=(cfg, total_steps),
+                       max_parallelism=1)
+        # stateful (weights, optimiser, KL controller): one instance, never scaled by backpressure
+        actor = Node("actor_update", N.ActorNode, resources=res["actor"], init_args=(cfg, total_steps),
+                     max_parallelism=1)
         # scores are a few bytes per response: keep reward next to the rollout
         Edge(rollout, reward, data_type="rollout_batch", co_locate=True)
         Edge(rollout, adv, data_type="rollout_batch")
@@ -129,7 +132,8 @@ class DataflowRunner:
                          namespace="hpc_verl", log_to_driver=True)
                 self._started_ray = True
         graph = build_ppo_graph(cfg, total_steps, name=f"ppo-{cfg['trainer']['experiment_name']}")
-        self.sched = HybridScheduler(graph)
+        run_dir = Path(os.path.expanduser(cfg["hpc_verl"]["run_dir"]))
+        self.sched = HybridScheduler(graph, status_file=str(run_dir / "dataflow_status.json"))
         plan = self.sched.plan()
         log.info("dataflow plan:\n%s", plan)
         self.sched.start()

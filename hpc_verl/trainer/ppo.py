@@ -91,6 +91,11 @@ class PPOTrainer:
         self.history: list[dict] = []
         self.start_step = 0
 
+    @property
+    def scheduler(self) -> Any:
+        """The HybridScheduler running the graph (``adjust_parallelism``, ``get_status``, ...), once started."""
+        return getattr(self.runner, "sched", None)
+
     # ------------------------------------------------------------------ resume / save
     def _resume_path(self) -> Path | None:
         t = self.cfg.trainer
