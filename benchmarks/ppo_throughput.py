@@ -44,7 +44,7 @@ def run_ours(model: Path, data: Path, tmp: Path, a: argparse.Namespace) -> dict:
         f"actor_rollout_ref.actor.ppo_mini_batch_size={a.prompts // a.updates_per_round}",
         "actor_rollout_ref.actor.optim.lr=1e-4", "algorithm.adv_estimator=grpo", "trainer.device=cpu",
         f"trainer.total_training_steps={rounds}", f"hpc_verl.run_dir={tmp / 'ours'}", "hpc_verl.progress=false",
-        "trainer.save_freq=-1", "trainer.resume_mode=disable"])
+        "trainer.save_freq=-1", "trainer.resume_mode=disable", f"hpc_verl.torch_threads={a.threads}"])
     trainer = PPOTrainer(cfg, progress=False)
     t0 = time.perf_counter()
     rc = trainer.fit()
@@ -74,6 +74,9 @@ def run_trl(model: Path, data: Path, tmp: Path, a: argparse.Namespace) -> dict:
         texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
         return [digits_score("hpc_verl/digits", t, g) for t, g in zip(texts, ground_truth)]
 
+    import torch
+    # the same torch threads per process as our Ray workers (--threads; Ray's default is 1)
+    torch.set_num_threads(a.threads)
     per_step = a.prompts * a.group // a.updates_per_round  # completions per optimizer step
     rounds = a.warmup + a.rounds
     stamps: list[float] = []
@@ -119,6 +122,7 @@ def main() -> int:
     p.add_argument("--response-length", type=int, default=8)
     p.add_argument("--updates-per-round", type=int, default=4, help="optimizer steps per round (mini-batches)")
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process, both trainers")
     p.add_argument("--json", action="store_true")
     p.add_argument("--only", choices=("ours", "trl"))
     a = p.parse_args()

@@ -56,7 +56,8 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "hpc_verl.ray_address": (str,),
     "hpc_verl.ray_num_cpus": (int,),
     "hpc_verl.device_mapping": (dict,),
-    "hpc_verl.rollout_chunk_size": (int,),
+    "hpc_verl.torch_threads": (int,),
+    "hpc_verl.old_log_prob_from_rollout": (bool,),
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -89,7 +90,7 @@ _POSITIVE = {
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
     "reward_model.micro_batch_size_per_gpu", "trainer.nnodes", "trainer.total_epochs",
     "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
-    "hpc_verl.ray_num_cpus", "hpc_verl.rollout_chunk_size",
+    "hpc_verl.ray_num_cpus", "hpc_verl.torch_threads",
 }
 _NON_NEGATIVE = {
     "trainer.n_gpus_per_node", "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_low",
@@ -378,6 +379,11 @@ def _fill_derived(cfg: dict) -> None:
         critic["model"]["path"] = cfg["actor_rollout_ref"]["model"]["path"]
     if cfg["data"]["seed"] is None:
         cfg["data"]["seed"] = cfg["trainer"]["seed"]
+    hv = cfg["hpc_verl"]
+    if hv["old_log_prob_from_rollout"] is None:
+        rollout = cfg["actor_rollout_ref"]["rollout"]
+        hv["old_log_prob_from_rollout"] = rollout["name"] == "hf" and (
+            cfg["trainer"]["device"] == "cpu" or rollout["dtype"] == "float32")
     if cfg["hpc_verl"]["run_dir"] is None:
         cfg["hpc_verl"]["run_dir"] = cfg["trainer"]["default_local_dir"]
 

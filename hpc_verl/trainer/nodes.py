@@ -59,6 +59,7 @@ class RolloutNode:
         self.worker = W.make_rollout_worker(cfg)
         self.cfg = cfg
         self.need_log_prob = bool(cfg["algorithm"]["use_kl_in_reward"])
+        self.sampler_log_prob_ok = bool(cfg["hpc_verl"]["old_log_prob_from_rollout"])
 
     def process(self, batch: dict) -> dict:
         required = batch.get("required_version")
@@ -67,7 +68,8 @@ class RolloutNode:
         merged.update(out)
         merged["policy_version"] = self.worker.version
         merged["context_version"] = _version_from_context(self.worker.version)
-        if self.need_log_prob:  # KL-in-reward needs the sampling policy's log-probs before the actor runs
+        if self.need_log_prob and not (self.sampler_log_prob_ok and "rollout_log_prob" in merged):
+            # KL-in-reward needs the sampling policy's log-probs before the actor runs
             import torch
             with torch.no_grad():
                 m = self.worker.model
@@ -217,7 +219,11 @@ class ActorNode:
         if "ref_log_prob" in adv_src:
             batch["ref_log_prob"] = adv_src["ref_log_prob"]
         mask = batch["response_mask"]
-        batch.update(self.worker.compute_log_prob(batch))
+        if self.cfg["hpc_verl"]["old_log_prob_from_rollout"] and "rollout_log_prob" in batch:
+            # same weights (the version check guarantees it), same float32 maths: skip the extra forward
+            batch["old_log_prob"] = batch["rollout_log_prob"]
+        else:
+            batch.update(self.worker.compute_log_prob(batch))
         metrics = dict(adv_src.get("metrics", {}))
         if "ref_log_prob" in batch and "kl/mean" not in metrics:
             metrics["kl/mean"] = float(A.masked_mean(

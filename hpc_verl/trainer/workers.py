@@ -40,10 +40,16 @@ def pick_device(cfg: dict) -> str:
 
 
 def _setup_threads(cfg: dict) -> None:
+    """CPU threads of this role: ``hpc_verl.torch_threads`` if set, else what Ray gave the actor.
+
+    Ray starts actors with OMP_NUM_THREADS=1. More threads help big models on idle
+    CPUs, but on a shared small CPU OpenMP oversubscription makes tiny models several
+    times slower, so it is opt-in.
+    """
     torch = _torch()
-    n = int(os.environ.get("HPC_VERL_TORCH_THREADS", "0") or 0)
-    if n > 0:
-        torch.set_num_threads(n)
+    n = cfg.get("hpc_verl", {}).get("torch_threads")
+    if n:
+        torch.set_num_threads(int(n))
 
 
 def _load_causal_lm(path: str, device: str, dtype: str = "float32", trust_remote_code: bool = False):
@@ -151,7 +157,7 @@ class RolloutWorker:
             ids[i, plen - len(p):] = torch.tensor(p, dtype=torch.long)
             attn[i, plen - len(p):] = 1
         t0 = time.perf_counter()
-        responses = self._sample(ids, attn, eos, pad, greedy=greedy or not rcfg["do_sample"])
+        responses, sample_log_prob = self._sample(ids, attn, eos, pad, greedy=greedy or not rcfg["do_sample"])
         gen_s = time.perf_counter() - t0
         rlen = responses.shape[1]
         # response mask: tokens up to and including the first EOS
@@ -163,10 +169,13 @@ class RolloutWorker:
         position_ids = (torch.cumsum(full_attn, dim=1) - 1).clamp(min=0)
         texts = self.tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(responses, resp_mask)],
                                             skip_special_tokens=True)
-        return {"input_ids": full_ids, "attention_mask": full_attn, "position_ids": position_ids,
-                "responses": responses, "response_mask": resp_mask.float(), "response_text": texts,
-                "policy_version": self.version, "gen_time_s": gen_s,
-                "n_response_tokens": int(resp_mask.sum())}
+        out = {"input_ids": full_ids, "attention_mask": full_attn, "position_ids": position_ids,
+               "responses": responses, "response_mask": resp_mask.float(), "response_text": texts,
+               "policy_version": self.version, "gen_time_s": gen_s,
+               "n_response_tokens": int(resp_mask.sum())}
+        if sample_log_prob is not None:
+            out["rollout_log_prob"] = sample_log_prob * resp_mask
+        return out
 
     def _sample(self, ids: Any, attn: Any, eos: int, pad: int, greedy: bool) -> Any:
         torch = _torch()
@@ -175,6 +184,10 @@ class RolloutWorker:
         dev = self.device
         bsz = ids.shape[0]
         out_tokens = torch.full((bsz, self.response_length), pad, dtype=torch.long)
+        # log p(token) under softmax(logits / temperature), before top-k/top-p filtering: the same
+        # quantity the actor computes, so it can serve as PPO's old log-prob
+        out_logp = torch.zeros((bsz, self.response_length), dtype=torch.float32)
+        temp = 1.0 if greedy else max(float(temperature), 1e-6)
         finished = torch.zeros(bsz, dtype=torch.bool)
         attn_d = attn.to(dev)
         pos = (attn_d.cumsum(-1) - 1).clamp(min=0)
@@ -190,6 +203,7 @@ class RolloutWorker:
                     nxt = _sample_logits(logits.cpu(), temperature, top_k, top_p, self.gen)
                 nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
                 out_tokens[:, t] = nxt
+                out_logp[:, t] = A.log_probs_from_logits(logits.cpu() / temp, nxt)
                 finished |= nxt == eos
                 if bool(finished.all()) or t == self.response_length - 1:
                     break
@@ -199,7 +213,7 @@ class RolloutWorker:
                                  past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 logits = out.logits[:, -1, :].float()
-        return out_tokens
+        return out_tokens, out_logp
 
 
 def _sample_logits(logits: Any, temperature: float, top_k: int, top_p: float, gen: Any) -> Any:
@@ -264,7 +278,7 @@ class VLLMRolloutWorker(RolloutWorker):
         for i, o in enumerate(outs):
             toks = list(o.outputs[0].token_ids)[: self.response_length]
             tokens[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-        return tokens
+        return tokens, None
 
 
 def make_rollout_worker(cfg: dict) -> RolloutWorker:
