@@ -136,3 +136,35 @@ def test_rule_rewards():
     assert digits_score("hpc_verl/digits", "", "123") == 0.0
     with pytest.raises(DataError, match="no reward function for data_source 'nope'"):
         RuleReward().score("nope", "x", "y")
+
+
+def test_preprocess_module_entry_for_the_launcher(tmp_path, capsys):
+    from hpc_verl.data.preprocess import main
+    assert main(["--input", str(SAMPLE_GSM8K), "--output", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o" / "train.parquet").is_file()
+    assert main(["--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not found" in err[0]
+    assert main(["--dataset", "digits", "--output", str(tmp_path / "d"), "--n-train", "20", "--n-test", "4"]) == 0
+    assert pq.read_table(tmp_path / "d" / "train.parquet").num_rows == 20
+
+
+def test_plot_and_summary_from_metrics(cli, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": i, "reward/mean": i / 10, "kl/mean": 0.01 * i, "actor/pg_loss": -0.1 * i,
+             "perf/tokens_per_s": 100.0 + i, "timing_s/step": 0.2} for i in range(1, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = cli("plot", str(run))
+    assert res.returncode == 0, res.stderr
+    png = run / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    res = cli("plot", str(tmp_path / "nothing"))
+    assert res.returncode == 2 and "metrics.jsonl" in res.stderr and "Traceback" not in res.stderr
+    import io
+
+    from hpc_verl.trainer.metrics import summary_table
+    buf = io.StringIO()
+    summary_table(rows, run, file=buf)
+    text = buf.getvalue()
+    assert "reward/mean" in text and "0.1" in text and "1" in text

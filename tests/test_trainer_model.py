@@ -98,3 +98,16 @@ def test_actor_update_accumulates_micro_batches_like_one_batch(tiny_model, digit
     a4.update_policy(dict(batch))
     lr = cfg_clip["actor_rollout_ref"]["actor"]["optim"]["lr"]
     assert max((p - b).abs().max().item() for p, b in zip(a4.model.parameters(), before)) <= lr * 1.01
+
+
+def test_vllm_rollout_without_vllm_is_one_clear_error(tiny_model, digits_data, tmp_path):
+    import importlib.util
+
+    from hpc_verl.errors import HpcVerlError
+    from hpc_verl.trainer import workers as W
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    cfg = _cfg(tiny_model, digits_data, tmp_path, "actor_rollout_ref.rollout.name=vllm")
+    with pytest.raises(HpcVerlError, match="vLLM is not installed"):
+        W.make_rollout_worker(cfg)
+    assert cfg["hpc_verl"]["old_log_prob_from_rollout"] is False  # vLLM numerics differ: recompute

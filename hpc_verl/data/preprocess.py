@@ -174,3 +174,41 @@ def preprocess_digits(output_dir: str | os.PathLike[str], n_train: int = 1024, n
     write_parquet(digit_rows(n_train, seed, "train", n_digits, answer_digits), out / "train.parquet")
     return {"train": str(out / "train.parquet"), "test": str(out / "test.parquet"),
             "n_train": n_train, "n_test": n_test}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpc_verl.data.preprocess --input FILE --output DIR`` (the launcher's preprocess stage).
+
+    ``--dataset gsm8k`` (default) converts question/answer files; ``--dataset digits``
+    generates the synthetic task (``--input`` is then ignored).
+    """
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m hpc_verl.data.preprocess",
+                                description="Write train/test parquet in verl's schema.")
+    p.add_argument("--dataset", choices=("gsm8k", "digits"), default="gsm8k")
+    p.add_argument("--input", metavar="FILE")
+    p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--test-input", metavar="FILE")
+    p.add_argument("--test-fraction", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-train", type=int, default=1024)
+    p.add_argument("--n-test", type=int, default=128)
+    a = p.parse_args(argv)
+    try:
+        if a.dataset == "digits":
+            r = preprocess_digits(a.output, a.n_train, a.n_test, a.seed)
+        else:
+            if not a.input:
+                raise DataError("--input FILE is required for --dataset gsm8k (a .jsonl or .parquet file)")
+            r = preprocess_gsm8k(a.input, a.output, a.test_input, a.test_fraction, a.seed)
+    except DataError as exc:
+        print(f"hpc-verl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(f"preprocess: wrote {r['train']} ({r['n_train']} rows) and {r['test']} ({r['n_test']} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
