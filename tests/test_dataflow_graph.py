@@ -43,6 +43,16 @@ def test_cycle_of_data_edges_is_rejected_but_control_edges_close_the_loop():
     assert g.sources() == ["a"] and g.sinks() == ["c"]
 
 
+def test_seed_style_keywords():
+    g = DataflowGraph("seed")
+    with g:
+        actor = Node(name="actor_rollout", func=identity, resources={"GPU": 2}, parallelism=8)
+        reward = Node(name="reward_score", func=identity, resources={"GPU": 0.5}, parallelism=16)
+        Edge(src=actor, dst=reward, data_type="rollout_batch")
+    g.validate()
+    assert g.nodes["reward_score"].gpus == 0.5 and g.edge("rollout_batch").dst_name == "reward_score"
+
+
 def test_bad_values_give_one_line_errors():
     with pytest.raises(DataflowError, match="parallelism=0"):
         Node("x", identity, parallelism=0)
@@ -103,6 +113,20 @@ def test_ppo_plan_colocates_stages_and_shares_bundles():
     text = str(plan)
     assert "actor_rollout_3" in text and "staged actor_rollout into 2 stage(s)" in text
     json.dumps(plan.to_dict())
+
+
+def test_eight_rollouts_on_two_by_four_form_two_stages():
+    g = DataflowGraph("staged")
+    with g:
+        Node("actor_rollout", Stage, resources={"GPU": 1}, parallelism=8)
+    plan = make_plan(g, two_by_four())
+    by_stage: dict[int, list] = {}
+    for inst in plan.for_node("actor_rollout"):
+        by_stage.setdefault(inst.stage, []).append(inst)
+    assert sorted(by_stage) == [0, 1]
+    for members in by_stage.values():
+        assert len({m.ray_node_id for m in members}) == 1
+        assert sorted(g for m in members for g in m.gpu_slots) == [0, 1, 2, 3]
 
 
 def test_small_items_colocate_like_co_locate():

@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 # node functions defined in this module travel to the workers by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,10 @@ def test_ppo_graph_places_as_planned_runs_iterations_and_shows_on_dashboard(clus
             for b in out:  # the co-located edge never crossed nodes
                 assert b["rollout"]["ray_node_id"] == b["reward"]["ray_node_id"]
         assert sched.call_all("actor_rollout", "get_version") == [3, 3, 3, 3]
-        assert len(sched.call_all("critic_train", "save_checkpoint", "/ckpt")) == 2
+        assert sched.call_all("critic_train", "save_checkpoint", "/ckpt") == ["/ckpt/critic_train_0:6",
+                                                                             "/ckpt/critic_train_1:6"]
+        assert sched.call_each("critic_train", "save_checkpoint", [("/a",), ("/b",)]) == ["/a/critic_train_0:6",
+                                                                                          "/b/critic_train_1:6"]
 
         with pytest.warns(UserWarning):
             assert sched.disable_ulysses("reward_score") is False
@@ -106,6 +109,20 @@ def test_ppo_graph_places_as_planned_runs_iterations_and_shows_on_dashboard(clus
         assert set(snap["edges"]) == {e.key for e in graph.edges}
         assert all(len(snap["nodes"][n]["workers"]) == graph.nodes[n].parallelism for n in graph.nodes)
         assert any(row["memory"] == "n/a" for row in snap["gpus"].values())
+        # the standalone verl-scheduler-dashboard (installed console script when
+        # present, else the same main via -m) sees the same graph
+        import os
+        import subprocess
+        from pathlib import Path
+
+        script = Path(sys.executable).parent / "verl-scheduler-dashboard"
+        cmd = [str(script)] if script.exists() else [sys.executable, "-m", "hpc_verl.ops.dashboard"]
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        res = subprocess.run([*cmd, "--address", address, "--once", "--json"], capture_output=True, text=True,
+                             env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        snap = {g["graph"]: g for g in json.loads(res.stdout)["graphs"]}["ppo_sim"]
+        assert set(snap["nodes"]) == set(graph.nodes) and set(snap["edges"]) == {e.key for e in graph.edges}
         # the rich view renders too (one frame)
         res = cli("dashboard", "--address", address, "--once", "--graph", "ppo_sim", timeout=120,
                   env={"COLUMNS": "200"})
@@ -142,6 +159,25 @@ def test_backpressure_adds_consumers_with_bounded_queue_and_no_loss(cluster):
     assert len({o["trail"][1]["instance"] for o in out}) > 1  # the added consumers did take items
     assert status["items_in"] == status["items_out"] == 200
     assert status["nodes"]["consumer"]["processed"] == 200
+
+
+def test_backpressure_lowers_the_producer_when_the_consumer_cannot_grow(cluster):
+    graph = DataflowGraph("bp_down")
+    with graph:
+        prod = Node("producer", Stage, init_kwargs={"delay_s": 0.01}, parallelism=2)
+        cons = Node("consumer", Stage, init_kwargs={"delay_s": 0.03}, max_parallelism=1)
+        Edge(prod, cons, capacity=12)
+    sched = HybridScheduler(graph, backpressure_window_s=0.3, monitor_interval_s=0.05)
+    try:
+        sched.start()
+        out = sched.run([{"id": i} for i in range(80)], micro_batch=1)["consumer"]
+        status = sched.get_status()
+    finally:
+        sched.shutdown()
+    assert [o["id"] for o in out] == list(range(80))
+    assert status["nodes"]["producer"]["parallelism"] == 1
+    assert any("lowered producer parallelism 2 -> 1 (backpressure" in d for d in status["decisions"])
+    assert status["nodes"]["producer"]["processed"] == 80
 
 
 def test_live_scale_up_and_down_loses_nothing(cluster):
@@ -200,15 +236,22 @@ def test_strong_consistency_rejects_stale_versions_under_delays(cluster):
     try:
         sched.start()
         # v1 is delayed in delivery (injected), v2 overtakes it; then items are submitted
-        sched.send_control("updated_policy", {"w": 1}, version=1, _delay_s=1.5)
+        t_sent = time.monotonic()
+        sched.send_control("updated_policy", {"w": 1}, version=1, _delay_s=4.0)
         sched.send_control("updated_policy", {"w": 2}, version=2)
         out = sched.run([{"prompts": [i]} for i in range(6)], micro_batch=1)["trainer"]
         assert {o["policy_version"] for o in out} == {2}
         assert {o["ctx_version"] for o in out} == {2}
-        time.sleep(2.0)  # the delayed v1 arrives now and must be rejected as stale
+        assert time.monotonic() - t_sent < 4.0, "too slow to order the delayed v1 after v2; rerun on a quieter host"
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # the delayed v1 arrives after ~4 s and must be rejected as stale
+            status = sched.get_status()
+            if status["edges"]["trainer->rollout"]["stale_rejected"] >= 2:
+                break
+            time.sleep(0.2)
         assert sched.call_all("rollout", "get_version") == [2, 2]
-        status = sched.get_status()
         assert status["edges"]["trainer->rollout"]["stale_rejected"] == 2
+        assert sum("rejected stale control v1 on trainer->rollout (holds v2)" in d for d in status["decisions"]) == 2
         # a delayed broadcast cannot make an item run stale: v3 is slow to arrive,
         # yet items submitted after it carry v3 and the instances catch up themselves
         sched.send_control("updated_policy", {"w": 3}, version=3, _delay_s=1.0)
@@ -219,6 +262,36 @@ def test_strong_consistency_rejects_stale_versions_under_delays(cluster):
         # a scaled-up instance starts from the latest version before its first item
         sched.adjust_parallelism("rollout", 3, "test")
         assert sched.call_all("rollout", "get_version") == [3, 3, 3]
+    finally:
+        sched.shutdown()
+
+
+def test_service_node_publishes_policy_through_call_all(cluster, tmp_path):
+    from hpc_verl.dataflow.examples import PolicyUpdater
+
+    graph = DataflowGraph("service")
+    with graph:
+        rollout = Node("rollout", RolloutSim, parallelism=2)
+        reward = Node("reward", _trainer)
+        updater = Node("actor_update", PolicyUpdater)
+        Edge(rollout, reward, co_locate=True)
+        Edge(updater, rollout, data_type="policy", control=True, consistency="strong")
+    assert graph.sources() == ["rollout"] and graph.sinks() == ["reward"]
+    assert graph.services() == ["actor_update"]
+    status_file = tmp_path / "run" / "dataflow_status.json"
+    sched = HybridScheduler(graph, backpressure=False, status_file=str(status_file), stats_interval_s=0.2)
+    try:
+        sched.start()
+        for step in range(1, 4):
+            out = sched.run({"rollout": [{"prompts": [i]} for i in range(4)]}, sinks_only=False)
+            assert set(out) == {"rollout", "reward"}
+            assert sched.call_all("actor_update", "update", out["reward"]) == [step]
+            out = sched.run([{"prompts": [0]}, {"prompts": [1]}])["reward"]
+            assert {o["policy_version"] for o in out} == {step}
+        assert sched.get_status()["edges"]["actor_update->rollout"]["version"] == 3
+        time.sleep(0.5)  # the monitor rewrites the status file (atomically) as it goes
+        on_disk = json.loads(status_file.read_text())
+        assert on_disk["graph"] == "service" and on_disk["edges"]["actor_update->rollout"]["version"] == 3
     finally:
         sched.shutdown()
 
@@ -239,3 +312,17 @@ def test_handler_error_is_one_clear_line(cluster):
             HybridScheduler(graph, backpressure=False).start()
     finally:
         sched.shutdown()
+
+    class BadInit:
+        def __init__(self):
+            raise RuntimeError("no model at /nowhere")
+
+        def process(self, item):
+            return item
+
+    bad = DataflowGraph("bad_init")
+    bad.add(Node("rollout", BadInit))
+    sched = HybridScheduler(bad, backpressure=False)
+    with pytest.raises(DataflowError, match=r"rollout_0 failed to start: .*no model at /nowhere"):
+        sched.start()
+    assert not sched._instances["rollout"] and not sched._pgs  # cleaned up what it made

@@ -105,6 +105,22 @@ class CriticSim:
         return f"{path}/{current_context().instance_id}:{self.steps}"
 
 
+class PolicyUpdater:
+    """Stands in for the actor update: a service node driven by call_all that
+    publishes each new policy over its control edge."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def process(self, item: Any) -> Any:  # never fed: a service node
+        return item
+
+    def update(self, batch: list) -> int:
+        self.version += 1
+        current_context().emit_control({"trained_on": len(batch)}, version=self.version)
+        return self.version
+
+
 def ppo_example_graph(name: str = "ppo_training", total_gpus: int = 8, rollout_delay_s: float = 0.0) -> DataflowGraph:
     """The seed's PPO graph scaled to ``total_gpus`` (8 -> rollout 4 x GPU:1,
     reward 4 x GPU:0.5 co-located with rollout, critic 2 x GPU:1)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Union
 
 from hpc_verl.errors import DataflowError
@@ -39,7 +39,7 @@ class DataflowRunError(DataflowError):
 class Node:
     """One stage of the dataflow: ``parallelism`` instances of a function or a class."""
 
-    def __init__(self, name: str, target: Union[Callable[..., Any], type], resources: dict[str, float] | None = None,
+    def __init__(self, name: str, target: Union[Callable[..., Any], type, None] = None, resources: dict[str, float] | None = None,
                  parallelism: int = 1, *, init_args: Iterable[Any] = (), init_kwargs: dict[str, Any] | None = None,
                  method: str = "process", control_method: str = "on_control", ulysses: bool | None = None,
                  min_parallelism: int = 1, max_parallelism: int | None = None, func: Any = None) -> None:
@@ -101,7 +101,6 @@ class Edge:
     consistency: str = "eventual"
     capacity: int = 256
     threshold: int | None = None
-    _graph_added: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.consistency not in CONSISTENCIES:
@@ -186,13 +185,27 @@ class DataflowGraph:
     def out_edges(self, node: str, control: bool | None = False) -> list[Edge]:
         return [e for e in self.edges if e.src_name == node and (control is None or e.control == control)]
 
+    def services(self) -> list[str]:
+        """Nodes without any data edge in a graph that has data edges: driven only by
+        ``call_all``/control messages (e.g. the actor update), never fed by ``run``."""
+        if not self.data_edges():
+            return []
+        return [n for n in self.nodes if not self.in_edges(n) and not self.out_edges(n)]
+
+    def flow_nodes(self) -> list[str]:
+        """Nodes that items pass through, in topological order."""
+        services = set(self.services())
+        return [n for n in self.topo_order() if n not in services]
+
     def sources(self) -> list[str]:
-        """Nodes fed by the driver: no incoming data edge."""
-        return [n for n in self.nodes if not self.in_edges(n)]
+        """Nodes fed by the driver: no incoming data edge (services excluded)."""
+        services = set(self.services())
+        return [n for n in self.nodes if not self.in_edges(n) and n not in services]
 
     def sinks(self) -> list[str]:
-        """Nodes whose outputs go back to the driver: no outgoing data edge."""
-        return [n for n in self.nodes if not self.out_edges(n)]
+        """Nodes whose outputs go back to the driver: no outgoing data edge (services excluded)."""
+        services = set(self.services())
+        return [n for n in self.nodes if not self.out_edges(n) and n not in services]
 
     def edge(self, ref: Union[Edge, str]) -> Edge:
         """Find an edge by object, ``"src->dst"`` or the data_type of a control edge."""

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Sequence
 
 from hpc_verl.dataflow.graph import DataflowGraph, DataflowRunError, Edge
+from hpc_verl.dataflow.monitor import MonitorMixin
 from hpc_verl.dataflow.plan import ClusterNode, InstancePlan, PlacementPlan, make_plan, place_extra
 from hpc_verl.errors import DataflowError
 from hpc_verl.util.suggest import did_you_mean
@@ -54,7 +55,7 @@ class _Track:
         self.waiting = 0
 
 
-class HybridScheduler:
+class HybridScheduler(MonitorMixin):
     """Places a graph with co-location and staged strategies, runs it with bounded
     channels, adaptive backpressure and strongly consistent control edges."""
 
@@ -81,6 +82,7 @@ class HybridScheduler:
         self._live: dict[int, _Track] = {}
         self._item_ids = itertools.count()
         self._order = graph.topo_order()
+        self._flow = graph.flow_nodes()
         self._in_data = {n: graph.in_edges(n) for n in graph.nodes}
         self._strong_in = {n: [e.key for e in graph.in_edges(n, control=True) if e.consistency == "strong"]
                            for n in graph.nodes}
@@ -210,10 +212,18 @@ class HybridScheduler:
     def _collect_info(self, insts: list[_Instance]) -> None:
         import ray
 
+        refs = [i.handle.info.remote() for i in insts]
         try:
-            infos = ray.get([i.handle.info.remote() for i in insts], timeout=self.start_timeout_s)
-        except ray.exceptions.RayActorError as exc:
-            raise DataflowError(f"graph '{self.graph.name}': an instance failed to start: {exc}") from None
+            infos = ray.get(refs, timeout=self.start_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
+            for inst, ref in zip(insts, refs):
+                try:
+                    ray.get(ref, timeout=self.start_timeout_s)
+                except Exception as exc:  # noqa: BLE001 - reported as one line
+                    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+                    last = lines[-1] if lines else type(exc).__name__
+                    raise DataflowError(f"graph '{self.graph.name}': {inst.iid} failed to start: {last}") from None
+            raise
         except ray.exceptions.GetTimeoutError:
             raise DataflowError(f"graph '{self.graph.name}': instances not up after {self.start_timeout_s:g}s") from None
         for inst, info in zip(insts, infos):
@@ -255,35 +265,37 @@ class HybridScheduler:
                                 f"source shares one id, so give each the same count")
         n = counts.pop()
         mb = self._micro_batch(n, micro_batch)
-        keep = list(self.graph.nodes) if not sinks_only else self.graph.sinks()
-        watch = set(self.graph.sinks()) | set(self._emitters)
+        keep = list(self._flow) if not sinks_only else self.graph.sinks()
+        watch = set(self.graph.sinks()) | (set(self._emitters) & set(self._flow))
         result_refs: dict[str, list[Any]] = {k: [] for k in keep}
         waiting: dict[Any, _Track] = {}
         pos = 0
         active = 0
-        while pos < n or active:
-            while pos < n and active < self.window:
-                size = min(mb, n - pos, max(1, self.window - active))
-                track = self._submit({s: items[s][pos:pos + size] for s in sources}, size)
-                for name in keep:
-                    result_refs[name].append(track.refs[name])
-                for name in watch:
-                    waiting[track.refs[name]] = track
-                    track.waiting += 1
-                pos += size
-                active += size
-            refs = list(waiting)
-            ready, _ = ray.wait(refs, num_returns=max(1, len(refs) // self._wait_div), fetch_local=False)
-            for ref in ready:
-                track = waiting.pop(ref)
-                track.waiting -= 1
-                if track.waiting == 0:
-                    active -= track.size
-                    self._complete(track)
         try:
+            while pos < n or active:
+                while pos < n and active < self.window:
+                    size = min(mb, n - pos, max(1, self.window - active))
+                    track = self._submit({s: items[s][pos:pos + size] for s in sources}, size)
+                    for name in keep:
+                        result_refs[name].append(track.refs[name])
+                    for name in watch:
+                        waiting[track.refs[name]] = track
+                        track.waiting += 1
+                    pos += size
+                    active += size
+                refs = list(waiting)
+                ready, _ = ray.wait(refs, num_returns=max(1, len(refs) // self._wait_div), fetch_local=False)
+                for ref in ready:
+                    track = waiting.pop(ref)
+                    track.waiting -= 1
+                    if track.waiting == 0:
+                        active -= track.size
+                        self._complete(track)
             envs = ray.get([r for name in keep for r in result_refs[name]])
         except Exception as exc:  # noqa: BLE001 - turned into one clear error
             raise self._run_error(exc) from None
+        finally:
+            self._abandon({id(t): t for t in waiting.values()}.values())
         out: dict[str, list[Any]] = {}
         it = iter(envs)
         for name in keep:
@@ -295,9 +307,17 @@ class HybridScheduler:
             self._items_out += n
         return out
 
+    def _abandon(self, tracks: Any) -> None:
+        """Forget items a failed run left in flight (their instances may be drained)."""
+        with self._lock:
+            for track in tracks:
+                if self._live.pop(track.key, None) is not None:
+                    for inst in track.insts.values():
+                        inst.outstanding -= track.size
+
     def _micro_batch(self, n: int, micro_batch: int | str) -> int:
         if micro_batch == "auto":
-            slots = sum(max(1, len(self._routable[node])) for node in self.graph.nodes)
+            slots = sum(max(1, len(self._routable[node])) for node in self._flow)
             return max(1, min(32, n // (8 * slots), self.window // (2 * slots)))
         if not isinstance(micro_batch, int) or micro_batch < 1:
             raise DataflowError(f"run(): micro_batch={micro_batch!r} must be an int >= 1 or 'auto'")
@@ -308,7 +328,7 @@ class HybridScheduler:
         track = _Track(key, size)
         with self._lock:
             self._items_in += size
-            for node in self._order:
+            for node in self._flow:
                 ins = self._in_data[node]
                 inst = self._choose(node, track)
                 strong = self._strong_in[node]
@@ -345,7 +365,16 @@ class HybridScheduler:
     def _complete(self, track: _Track) -> None:
         import ray
 
+        with self._lock:
+            if self._live.pop(track.key, None) is None:
+                return
+            for inst in track.insts.values():
+                inst.outstanding -= track.size
+            for e in self.graph.data_edges():
+                self._edge[e.key]["items"] += track.size
         for node in self._emitters:
+            if node not in track.refs:
+                continue
             try:
                 env = ray.get(track.refs[node])
             except Exception as exc:  # noqa: BLE001
@@ -354,12 +383,6 @@ class HybridScheduler:
                 edge = next(e for e in self.graph.out_edges(node, control=True)
                             if (e.data_type or e.key) == data_type)
                 self._publish(edge, payload, version, src=node, strict=False)
-        with self._lock:
-            for inst in track.insts.values():
-                inst.outstanding -= track.size
-            for e in self.graph.data_edges():
-                self._edge[e.key]["items"] += track.size
-            self._live.pop(track.key, None)
 
     def _run_error(self, exc: BaseException) -> DataflowError:
         import ray
@@ -411,17 +434,40 @@ class HybridScheduler:
     # ---- runtime control -----------------------------------------------------------
     def call_all(self, node_name: str, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every live instance of a class node; results in instance order."""
-        import ray
-
         self._require_started()
         self._node(node_name)
         insts = sorted(self._routable[node_name], key=lambda i: i.index)
         with self._lock:
             required = {k: self._board[k] for k in self._strong_in[node_name] if k in self._board} or None
+        return self._gather_calls(node_name, [i.handle.call.remote(method, args, kwargs, required) for i in insts])
+
+    def _gather_calls(self, node_name: str, refs: list) -> list[Any]:
+        """Results of instance calls; control messages they emitted are published."""
+        import ray
+
         try:
-            return ray.get([i.handle.call.remote(method, args, kwargs, required) for i in insts])
+            pairs = ray.get(refs)
         except Exception as exc:  # noqa: BLE001
             raise self._run_error(exc) from None
+        for _, emitted in pairs:
+            for data_type, version, payload in emitted or ():
+                edge = next(e for e in self.graph.out_edges(node_name, control=True)
+                            if (e.data_type or e.key) == data_type)
+                self._publish(edge, payload, version, src=node_name, strict=False)
+        return [result for result, _ in pairs]
+
+    def call_each(self, node_name: str, method: str, args_per_instance: Sequence[tuple]) -> list[Any]:
+        """Call ``method(*args_per_instance[i])`` on instance i (e.g. one data shard each)."""
+        self._require_started()
+        self._node(node_name)
+        insts = sorted(self._routable[node_name], key=lambda i: i.index)
+        if len(args_per_instance) != len(insts):
+            raise DataflowError(f"call_each('{node_name}', '{method}'): {len(args_per_instance)} argument tuples "
+                                f"for {len(insts)} instances; give one per instance")
+        with self._lock:
+            required = {k: self._board[k] for k in self._strong_in[node_name] if k in self._board} or None
+        return self._gather_calls(node_name, [i.handle.call.remote(method, tuple(a), {}, required)
+                                              for i, a in zip(insts, args_per_instance)])
 
     def instances(self, node_name: str) -> list[str]:
         self._node(node_name)
@@ -560,182 +606,8 @@ class HybridScheduler:
         import ray
 
         has = ray.get([i.handle.has_method.remote("set_ulysses") for i in insts]) if insts else []
-        ray.get([i.handle.call.remote("set_ulysses", (enabled,), {}) for i, h in zip(insts, has) if h])
-
-    # ---- monitoring ----------------------------------------------------------------
-    def _monitor_loop(self) -> None:
-        warned = False
-        while not self._stop.wait(self.monitor_interval_s):
-            try:
-                self._tick()
-            except Exception as exc:  # noqa: BLE001 - monitoring must never kill the run
-                if not warned and not self._stop.is_set():
-                    log.warning("dataflow monitor: %s", exc)
-                    warned = True
-
-    def _measure_queues(self) -> None:
-        import ray
-
-        with self._lock:
-            tracks = list(self._live.values())
-        refs = [r for t in tracks for r in t.refs.values()]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) if refs else set()
-        for e in self.graph.data_edges():
-            per_inst: dict[str, list[int]] = {}
-            for t in tracks:
-                src_ref, dst_ref = t.refs.get(e.src_name), t.refs.get(e.dst_name)
-                if src_ref in ready and dst_ref not in ready:
-                    per_inst.setdefault(t.insts[e.dst_name].iid, []).append(t.size)
-            # items delivered to an instance and not done, less the micro-batch it is working on
-            q = sum(sum(sizes) - sizes[0] for sizes in per_inst.values())
-            st = self._edge[e.key]
-            st["queue"] = q
-            st["peak"] = max(st["peak"], q)
-
-    def _poll_stats(self) -> None:
-        import ray
-
-        insts = [i for insts in self._instances.values() for i in insts]
-        if not insts:
-            return
-        refs = [i.handle.stats.remote() for i in insts]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
-        ready_set = set(ready)
-        for inst, ref in zip(insts, refs):
-            if ref in ready_set:
-                try:
-                    inst.stats = ray.get(ref)
-                except Exception:  # noqa: BLE001 - a dying instance
-                    pass
-        now = time.monotonic()
-        for node in self.graph.nodes:
-            done = self._retired[node] + sum(int(i.stats.get("processed", 0)) for i in self._instances[node])
-            r = self._node_rate[node]
-            if r["t"]:
-                dt = now - r["t"]
-                if dt > 0:
-                    r["rate"] = (done - r["done"]) / dt
-            r["t"], r["done"] = now, done
-
-    def _tick(self) -> None:
-        self._measure_queues()
-        now = time.monotonic()
-        if now - self._last_stats >= self.stats_interval_s:
-            self._last_stats = now
-            self._poll_stats()
-            self._publish_status()
-        if self.backpressure:
-            self._backpressure(now)
-
-    def _backpressure(self, now: float) -> None:
-        """An edge whose queue, sampled over the last window, has a median at or over
-        its threshold is a sustained bottleneck (a single sample is noise)."""
-        for e in self.graph.data_edges():
-            st = self._edge[e.key]
-            samples = st.setdefault("samples", [])
-            samples.append((now, st["queue"]))
-            while samples and now - samples[0][0] > self.backpressure_window_s:
-                samples.pop(0)
-            if len(samples) < 3 or now - samples[0][0] < 0.8 * self.backpressure_window_s:
-                continue
-            median = sorted(q for _, q in samples)[len(samples) // 2]
-            if median < e.threshold or now - st["last_action"] < self.backpressure_window_s:
-                continue
-            st["last_action"] = now
-            samples.clear()
-            dst, src = self.graph.nodes[e.dst_name], self.graph.nodes[e.src_name]
-            reason = (f"backpressure: queue on {e.key} at median {median} >= threshold {e.threshold} "
-                      f"over {self.backpressure_window_s:g}s")
-            p_dst = len(self._routable[dst.name])
-            if dst.max_parallelism is None or p_dst < dst.max_parallelism:
-                if self.adjust_parallelism(dst.name, p_dst + 1, reason) > p_dst:
-                    continue
-            p_src = len(self._routable[src.name])
-            if p_src > src.min_parallelism:
-                threading.Thread(target=self.adjust_parallelism, args=(src.name, p_src - 1, reason),
-                                 daemon=True).start()
-            else:
-                self._decide(f"Scheduling decision: {reason}, but {dst.name} is at its maximum and "
-                             f"{src.name} at its minimum; the bounded channel holds the producer back")
-
-    # ---- status --------------------------------------------------------------------
-    def get_status(self) -> dict[str, Any]:
-        """Per node workers/GPUs/queue/throughput, per edge latency/queue, GPUs, decisions. JSON-ready."""
-        if self._started:
-            self._measure_queues()
-            self._poll_stats()
-        return self._snapshot()
-
-    def _snapshot(self) -> dict[str, Any]:
-        nodes: dict[str, Any] = {}
-        with self._lock:
-            for name, node in self.graph.nodes.items():
-                workers = []
-                for inst in sorted(self._instances[name], key=lambda i: i.index):
-                    workers.append({"id": inst.iid, "ray_node_id": inst.ray_node_id,
-                                    "ray_node": inst.plan.ray_node_name,
-                                    "gpu_ids": list(inst.info.get("gpu_ids", [])),
-                                    "cuda_visible_devices": inst.info.get("cuda_visible_devices"),
-                                    "planned_gpu_slots": list(inst.plan.gpu_slots),
-                                    "stage": inst.plan.stage, "bundle": inst.plan.bundle,
-                                    "draining": inst.draining, "outstanding": inst.outstanding,
-                                    "processed": int(inst.stats.get("processed", 0)),
-                                    "versions": inst.stats.get("versions", {})})
-                nodes[name] = {"parallelism": len(self._routable[name]), "workers": workers,
-                               "resources": dict(node.resources),
-                               "queue_length": sum(self._edge[e.key]["queue"] for e in self._in_data[name]),
-                               "items_per_s": round(self._node_rate[name]["rate"], 3),
-                               "processed": self._retired[name] + sum(w["processed"] for w in workers),
-                               "ulysses": self._ulysses[name] if node.ulysses is not None else None}
-            edges: dict[str, Any] = {}
-            for e in self.graph.edges:
-                st = self._edge[e.key]
-                lat = [(i.stats.get("latency", {}).get(e.key)) for i in self._instances[e.dst_name]]
-                lat = [x for x in lat if x]
-                n = sum(x["n"] for x in lat)
-                entry = {"src": e.src_name, "dst": e.dst_name, "data_type": e.data_type, "control": e.control,
-                         "consistency": e.consistency, "co_located": e.colocated,
-                         "queue_length": st["queue"], "peak_queue_length": st["peak"], "capacity": e.capacity,
-                         "threshold": e.threshold, "items": st["items"], "cross_node_items": st["cross_node"],
-                         "latency_ms_mean": round(sum(x["mean_ms"] * x["n"] for x in lat) / n, 3) if n else None,
-                         "latency_ms_p95": round(max(x["p95_ms"] for x in lat), 3) if n else None}
-                if e.control:
-                    board = self._board.get(e.key)
-                    entry["version"] = board[1] if board else None
-                    entry["stale_rejected"] = sum(int(i.stats.get("stale_rejected", {}).get(e.key, 0))
-                                                  for i in self._instances[e.dst_name])
-                edges[e.key] = entry
-            decisions = list(self.decisions)
-            items_in, items_out = self._items_in, self._items_out
-        return {"graph": self.graph.name, "time": time.time(), "started": self._started, "nodes": nodes,
-                "edges": edges, "gpus": self._gpu_table(nodes), "decisions": decisions,
-                "items_in": items_in, "items_out": items_out, "window": self.window}
-
-    def _gpu_table(self, nodes: dict[str, Any]) -> dict[str, Any]:
-        table: dict[str, Any] = {}
-        for cn in self._total:
-            for g in range(int(cn.gpus)):
-                table[f"{cn.name}:{g}"] = {"ray_node_id": cn.node_id, "gpu": str(g), "memory": "n/a", "users": []}
-        for name in nodes:
-            for inst in self._instances[name]:
-                mem = inst.stats.get("gpu_memory") or {}
-                for local, gid in enumerate(inst.info.get("gpu_ids", [])):
-                    key = f"{inst.plan.ray_node_name}:{gid}"
-                    row = table.setdefault(key, {"ray_node_id": inst.ray_node_id, "gpu": str(gid),
-                                                 "memory": "n/a", "users": []})
-                    row["users"].append(inst.iid)
-                    if str(local) in mem:
-                        row["memory"] = mem[str(local)]
-        return table
-
-    def _publish_status(self) -> None:
-        snap = self._snapshot()
-        if self._hub is not None:
-            self._hub.set.remote(snap)
-        if self.status_file:
-            from hpc_verl.util.fs import atomic_write_json
-
-            atomic_write_json(self.status_file, snap)
+        self._gather_calls(insts[0].node if insts else "", [i.handle.call.remote("set_ulysses", (enabled,), {})
+                                                             for i, h in zip(insts, has) if h])
 
     # ---- teardown ------------------------------------------------------------------
     def shutdown(self) -> None:

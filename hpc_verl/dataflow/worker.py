@@ -24,6 +24,7 @@ import ray
 from hpc_verl.dataflow import context as _context
 from hpc_verl.dataflow.context import ControlMessage, WorkerContext
 from hpc_verl.dataflow.graph import DataflowRunError
+from hpc_verl.errors import DataflowError
 
 LATENCY_WINDOW = 1024
 
@@ -74,6 +75,7 @@ class DataflowWorker:
         self.processed = 0
         self.busy_s = 0.0
         self.stale_rejected: dict[str, int] = {}
+        self.rejections: list[tuple[str, int, int]] = []  # (edge, stale version, version held)
         self.latency: dict[str, deque] = {}
         self.errors = 0
 
@@ -94,6 +96,7 @@ class DataflowWorker:
                             "p95_ms": 1000 * vals[min(len(vals) - 1, int(0.95 * len(vals)))]}
         return {"processed": self.processed, "busy_s": self.busy_s, "latency": lat,
                 "versions": dict(self.ctx.versions), "stale_rejected": dict(self.stale_rejected),
+                "rejections": list(self.rejections[-64:]),
                 "gpu_memory": _gpu_memory(), "errors": self.errors}
 
     # ---- control group ------------------------------------------------------------
@@ -111,6 +114,7 @@ class DataflowWorker:
         if version <= current:
             if version < current:
                 self.stale_rejected[edge] = self.stale_rejected.get(edge, 0) + 1
+                self.rejections.append((edge, version, current))
             return False
         payload = ray.get(refs[0])
         data_type = self.edge_of.get(edge, edge)
@@ -169,18 +173,21 @@ class DataflowWorker:
         self.busy_s += t1 - t0
         return (t1, outs, emitted or None)
 
-    def call(self, method: str, args: tuple, kwargs: dict, required: dict | None = None) -> Any:
+    def call(self, method: str, args: tuple, kwargs: dict, required: dict | None = None) -> tuple[Any, Any]:
+        """Call a method of the instance's object; returns (result, emitted control)."""
         with self.lock:
             for edge, (src, version, refs) in (required or {}).items():
                 if self.ctx.versions.get(edge, -1) < version:
                     self._apply(edge, src, version, refs)
-            target = self.obj if self.obj is not None else None
+            target = self.obj
             if target is None or not hasattr(target, method):
-                from hpc_verl.errors import DataflowError
-
-                raise DataflowError(f"node '{self.ctx.node_name}' ({type(target).__name__ if target else 'function'}) "
-                                    f"has no method '{method}'")
-            return getattr(target, method)(*args, **kwargs)
+                kind = type(target).__name__ if target is not None else "a function node"
+                raise DataflowError(f"node '{self.ctx.node_name}' ({kind}) has no method '{method}'")
+            emitted = self.ctx._emitted = []
+            try:
+                return getattr(target, method)(*args, **kwargs), (emitted or None)
+            finally:
+                self.ctx._emitted = []
 
     def has_method(self, method: str) -> bool:
         return self.obj is not None and callable(getattr(self.obj, method, None))

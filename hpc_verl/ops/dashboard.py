@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,8 @@ def fetch_snapshots(address: str | None, graph: str | None = None, timeout_s: fl
     from hpc_verl.dataflow.raycluster import NAMESPACE, hub_name, list_hubs
 
     if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS") or _local_cluster_address()
+        _probe(address)
         try:
             ray.init(address=address or "auto", namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -39,6 +43,29 @@ def fetch_snapshots(address: str | None, graph: str | None = None, timeout_s: fl
     actors = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
     snaps = ray.get([a.get.remote() for a in actors], timeout=timeout_s)
     return [s for s in snaps if s]
+
+
+def _local_cluster_address() -> str:
+    """The address of the Ray cluster started on this host, as Ray records it."""
+    p = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    try:
+        return p.read_text().strip()
+    except OSError:
+        raise DataflowError("no Ray address given and no local Ray cluster found; pass --address HOST:PORT "
+                            "(or set RAY_ADDRESS)") from None
+
+
+def _probe(address: str, timeout_s: float = 3.0) -> None:
+    """Fail in seconds, with one line, where Ray itself would retry for minutes."""
+    host, _, port = address.replace("ray://", "").rpartition(":")
+    if not host or not port.isdigit():
+        raise DataflowError(f"Ray address '{address}' is not HOST:PORT; pass --address like 10.0.0.1:6379")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise DataflowError(f"cannot reach Ray at {address} ({exc.strerror or exc}); is the cluster up? "
+                            f"pass --address HOST:PORT of its head (GCS) port") from None
 
 
 def read_status_file(path: str) -> list[dict[str, Any]]:
@@ -100,8 +127,11 @@ def render(snapshots: list[dict[str, Any]]) -> Any:
             kind = f"control/{e['consistency']}" if e.get("control") else ("data/co-located" if e.get("co_located")
                                                                            else "data")
             lat = "-" if e.get("latency_ms_mean") is None else f"{e['latency_ms_mean']:.1f}/{e['latency_ms_p95']:.1f}"
-            qs = f"{e.get('queue_length')}/{e.get('peak_queue_length')}/{e.get('capacity')}"
-            ver = "-" if not e.get("control") else f"v{e.get('version')} (stale rejected {e.get('stale_rejected', 0)})"
+            qs = "-" if e.get("control") else f"{e.get('queue_length')}/{e.get('peak_queue_length')}/{e.get('capacity')}"
+            ver = "-"
+            if e.get("control"):
+                ver = "none yet" if e.get("version") is None else f"v{e['version']}"
+                ver += f" (stale rejected {e.get('stale_rejected', 0)})"
             edges.add_row(key, kind, qs, lat, str(e.get("items")), ver)
         log = Text("\n".join(snap.get("decisions", [])[-12:]) or "(no decisions yet)")
         age = time.time() - float(snap.get("time", time.time()))
