@@ -14,5 +14,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hpc_verl.trainer.main import _setup_logging, run
+    from hpc_verl.trainer.main import run
     return run(args)

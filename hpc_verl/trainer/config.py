@@ -157,13 +157,6 @@ def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _children(schema: Mapping, dotted_parent: str) -> list[str]:
-    node: Any = schema
-    if dotted_parent:
-        for part in dotted_parent.split("."):
-            node = node[part]
-    return list(node)
-
 
 def _check_key(schema: Mapping, dotted: str, where: str) -> None:
     """Raise a one-line ConfigError if ``dotted`` is not a key of the schema."""

@@ -146,7 +146,7 @@ class DataflowRunner:
         return self.sched.call_all(node, method, *args, **kwargs)[0]
 
     def publish_policy(self, weights: dict, version: int) -> None:
-        self.sched.send_control(f"actor_update->actor_rollout", weights, version)
+        self.sched.send_control("actor_update->actor_rollout", weights, version)
 
     def status(self) -> dict:
         return self.sched.get_status() if self.sched else {}

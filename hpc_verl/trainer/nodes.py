@@ -212,7 +212,6 @@ class ActorNode:
         self.cfg = cfg
 
     def process(self, joined: dict) -> dict:
-        import torch
         batch = dict(joined["actor_rollout"])
         adv_src = joined.get("critic") or joined.get("advantage")
         batch["advantages"] = adv_src["advantages"]
@@ -240,7 +239,6 @@ class ActorNode:
             "n_responses": int(mask.shape[0]), "n_response_tokens": int(mask.sum()),
             "timing_s/gen": float(batch.get("gen_time_s", 0.0)),
         })
-        del torch
         return metrics
 
     def get_weights(self) -> tuple[dict, int]:

@@ -14,8 +14,6 @@ a generate request carries the version it needs and a stale rollout refuses it.
 """
 from __future__ import annotations
 
-import math
-import os
 import time
 from typing import Any, Iterator
 
@@ -89,7 +87,6 @@ def _sub(batch: dict, idx: Any) -> dict:
 
 def response_log_probs(model: Any, batch: dict, temperature: float = 1.0, with_entropy: bool = False):
     """log p(response token) under ``model`` for every response position (and entropy)."""
-    torch = _torch()
     dev = next(model.parameters()).device
     ids = batch["input_ids"].to(dev)
     out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(dev),
@@ -159,7 +156,6 @@ class RolloutWorker:
         t0 = time.perf_counter()
         responses, sample_log_prob = self._sample(ids, attn, eos, pad, greedy=greedy or not rcfg["do_sample"])
         gen_s = time.perf_counter() - t0
-        rlen = responses.shape[1]
         # response mask: tokens up to and including the first EOS
         is_eos = responses == eos
         after_eos = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
@@ -372,7 +368,6 @@ class ActorWorker(_TrainableWorker):
 
     def update_policy(self, batch: dict) -> dict:
         """PPO epochs over mini-batches (one optimiser step each), micro-batches accumulate grads."""
-        torch = _torch()
         a = self.acfg
         n_rows = batch["responses"].shape[0]
         mini = min(n_rows, a["ppo_mini_batch_size"] * self.n)
@@ -553,7 +548,3 @@ class RewardWorker:
                 batch["data_source"], batch["response_text"], batch["ground_truth"], batch["extra_info"])],
                 dtype=torch.float32)
         return {"scores": scores}
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else float("nan")
