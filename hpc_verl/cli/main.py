@@ -16,7 +16,11 @@ from hpc_verl._version import __version__
 from hpc_verl.errors import HpcVerlError
 
 # Add a verb by adding its module name here (module hpc_verl.cli.<name>).
-VERB_MODULES: tuple[str, ...] = ("profiles", "render", "validate", "doctor", "plan", "dashboard")
+VERB_MODULES: tuple[str, ...] = (
+    "profiles", "render", "validate", "doctor", "plan",
+    "train", "preprocess", "make_tiny_model", "check_model", "plot",
+    "dashboard",
+)
 
 
 class OneLineParser(argparse.ArgumentParser):

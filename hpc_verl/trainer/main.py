@@ -1,0 +1,81 @@
+"""Entry point of the built-in trainer: ``python -m hpc_verl.trainer.main --config FILE key=value ...``.
+
+``hpc-verl train`` and the launcher's train stage both call ``main(argv)``. Exit
+codes: 0 done, 2 user error (one line on stderr), ``REQUEUE_EXIT_CODE`` (99)
+after checkpointing on the preemption signal (SIGUSR2), so the job requeues.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from hpc_verl.errors import HpcVerlError
+
+
+def build_parser(prog: str = "hpc-verl train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run the built-in PPO/GRPO trainer (verl config keys).")
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML config (verl key names); defaults: ppo_default.yaml")
+    p.add_argument("--print-config", action="store_true", help="print the merged, validated config and exit")
+    p.add_argument("--check", action="store_true", help="validate config, data and model, then exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. data.train_batch_size=64 trainer.total_epochs=2")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc_verl.trainer.config import load_config, to_yaml, validate_for_run
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        sys.stdout.write(to_yaml(cfg))
+        return 0
+    if args.check:
+        validate_for_run(cfg)
+        from hpc_verl.trainer.model import check_model
+        check_model(cfg.actor_rollout_ref.model.path)
+        from hpc_verl.trainer.ppo import PPOTrainer
+        trainer = PPOTrainer(cfg, progress=False)
+        print(f"ok: {len(trainer.dataset)} prompts, {trainer.total_steps} steps, run dir {trainer.run_dir}")
+        return 0
+    _setup_logging()
+    from hpc_verl.trainer.ppo import PPOTrainer
+    trainer = PPOTrainer(cfg, progress=False if args.no_progress else None)
+    return trainer.fit()
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger("hpc_verl")
+    if root.handlers:
+        return
+    try:
+        from rich.logging import RichHandler
+        handler: logging.Handler = RichHandler(show_path=False, console=None)
+    except ImportError:  # pragma: no cover
+        handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser("python -m hpc_verl.trainer.main")
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except HpcVerlError as exc:
+        print(f"hpc-verl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("hpc-verl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

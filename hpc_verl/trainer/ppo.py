@@ -1,0 +1,230 @@
+"""The PPO driver: data, steps through the dataflow graph (``trainer.graph``), metrics, checkpoints.
+
+One step is one item through the graph (see ``trainer.nodes``): rollout with the
+current policy version → reward, reference log-probs (concurrently) → advantages
+(critic/GAE or GRPO) → actor update, which publishes the next policy version to
+the rollout over a strongly consistent control edge. The driver only samples
+prompts, checks the version the rollout used, logs metrics, checkpoints and
+watches for the preemption signal.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+from hpc_verl.errors import ConfigError
+from hpc_verl.trainer.checkpoint import (REQUEUE_EXIT_CODE, PreemptionFlag, latest_checkpoint, load_checkpoint,
+                                         save_checkpoint)
+from hpc_verl.trainer.config import Section, to_yaml, validate_for_run
+from hpc_verl.trainer.metrics import MetricsLog, StepProgress, summary_table
+
+log = logging.getLogger("hpc_verl.trainer")
+
+
+class Runner(Protocol):
+    """Where the graph runs (``graph.DataflowRunner`` on Ray; ``graph.InlineRunner`` in tests)."""
+
+    def start(self, cfg: Mapping, total_steps: int) -> None: ...
+
+    def run_step(self, batch: dict) -> dict: ...
+
+    def call(self, node: str, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def publish_policy(self, weights: dict, version: int) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import transformers
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except Exception:  # pragma: no cover
+        pass
+
+
+class PPOTrainer:
+    """Drives the PPO steps; owns the data position, metrics, checkpoints and the preemption check."""
+
+    def __init__(self, cfg: Section, runner: Runner | None = None, progress: bool | None = None) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        from hpc_verl.data.dataset import ResumableSampler, RLDataset
+        from hpc_verl.trainer.model import check_model
+
+        _quiet_transformers()
+        validate_for_run(cfg)
+        self.cfg = cfg
+        self.run_dir = Path(os.path.expanduser(cfg.hpc_verl.run_dir))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        mcfg = cfg.actor_rollout_ref.model
+        check_model(mcfg.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path, local_files_only=True)
+        if mcfg.custom_chat_template:
+            self.tokenizer.chat_template = mcfg.custom_chat_template
+        d = cfg.data
+        self.dataset = RLDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.prompt_key,
+                                 d.filter_overlong_prompts, d.truncation, d.train_max_samples)
+        self.sampler = ResumableSampler(len(self.dataset), d.train_batch_size, d.seed, d.shuffle)
+        t = cfg.trainer
+        self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
+        self.n = cfg.actor_rollout_ref.rollout.n
+        self.step = 0
+        self.version = 0
+        random.seed(t.seed)
+        torch.manual_seed(t.seed)
+        self.runner = runner
+        self.adv_node = "advantage" if cfg.algorithm.adv_estimator == "grpo" else "critic"
+        self.progress_enabled = cfg.hpc_verl.progress if progress is None else progress
+        self.preempt = PreemptionFlag()
+        self.last_checkpoint: Path | None = None
+        self.resumed_from: Path | None = None
+        self.history: list[dict] = []
+        self.start_step = 0
+
+    @property
+    def scheduler(self) -> Any:
+        """The HybridScheduler running the graph (``adjust_parallelism``, ``get_status``, ...), once started."""
+        return getattr(self.runner, "sched", None)
+
+    # ------------------------------------------------------------------ resume / save
+    def _resume_path(self) -> Path | None:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return None
+        if t.resume_mode == "resume_path":
+            p = Path(os.path.expanduser(t.resume_from_path))
+            if not (p / "trainer_state.json").is_file():
+                raise ConfigError(f"trainer.resume_from_path={p} is not a checkpoint directory (global_step_N)")
+            return p
+        return latest_checkpoint(self.run_dir)
+
+    def _restore(self, path: Path) -> None:
+        import torch
+        state, parts = load_checkpoint(path)
+        self.step = int(state["step"])
+        self.version = int(state["policy_version"])
+        self.sampler.load_state_dict(state["data"])
+        random.setstate(_tuplify(state["python_rng"]))
+        rng = parts.get("driver_rng") or {}
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        self.runner.call("actor_update", "load_state_dict", parts["actor"])
+        if "adv" in parts:
+            self.runner.call(self.adv_node, "load_state_dict", parts["adv"])
+        if "rollout_gen" in rng:
+            self.runner.call("actor_rollout", "set_rng_state", rng["rollout_gen"])
+        if self.version > 0:
+            weights, version = self.runner.call("actor_update", "get_weights")
+            assert version == self.version, (version, self.version)
+            self.runner.publish_policy(weights, version)
+        self.resumed_from = path
+        log.info("resumed from %s (step %d, policy version %d)", path, self.step, self.version)
+
+    def save(self) -> Path:
+        import torch
+        parts: dict[str, Any] = {
+            "actor": self.runner.call("actor_update", "state_dict"),
+            "adv": self.runner.call(self.adv_node, "state_dict"),
+            "driver_rng": {"torch": torch.get_rng_state(),
+                           "rollout_gen": self.runner.call("actor_rollout", "rng_state")},
+        }
+        state = {"step": self.step, "policy_version": self.version, "data": self.sampler.state_dict(),
+                 "python_rng": random.getstate(), "total_steps": self.total_steps,
+                 "adv_estimator": self.cfg.algorithm.adv_estimator}
+        keep = self.cfg.trainer.max_actor_ckpt_to_keep
+        self.last_checkpoint = save_checkpoint(self.run_dir, self.step, parts, state, keep_last=keep)
+        return self.last_checkpoint
+
+    # ------------------------------------------------------------------ one step
+    def _make_batch(self) -> dict:
+        idx = self.sampler.next_batch()
+        samples = [self.dataset.samples[i] for i in idx for _ in range(self.n)]
+        return {"prompt_ids": [s.prompt_ids for s in samples], "data_source": [s.data_source for s in samples],
+                "ground_truth": [s.ground_truth for s in samples], "extra_info": [s.extra_info for s in samples],
+                "uid": [f"{self.sampler.epoch}:{s.index}" for s in samples], "sample_index": idx,
+                "required_version": self.version, "step": self.step + 1}
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        batch = self._make_batch()
+        m = dict(self.runner.run_step(batch))
+        used = m.get("rollout/policy_version")
+        if used != self.version:
+            raise RuntimeError(f"step {self.step + 1}: rollout used policy version {used}, expected {self.version}")
+        self.version = int(m.get("actor/policy_version", self.version))
+        self.step += 1
+        dt = time.perf_counter() - t0
+        m.update({"step": self.step, "epoch": self.sampler.epoch, "run/start_step": self.start_step, "policy_version": self.version,
+                  "data/first_index": batch["sample_index"][0], "timing_s/step": dt,
+                  "perf/samples_per_s": m.get("n_responses", 0) / dt,
+                  "perf/tokens_per_s": m.get("n_response_tokens", 0) / dt})
+        return m
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> int:
+        """Train to ``total_steps``; 0 when done, REQUEUE_EXIT_CODE after a preemption checkpoint."""
+        if self.runner is None:
+            from hpc_verl.trainer.graph import DataflowRunner
+            self.runner = DataflowRunner()
+        from hpc_verl.util.fs import atomic_write_text
+        atomic_write_text(self.run_dir / "config.yaml", to_yaml(self.cfg))
+        self.preempt.install()
+        progress = None
+        metrics_log = None
+        try:
+            self.runner.start(self.cfg.to_dict(), self.total_steps)
+            resume = self._resume_path()
+            if resume is not None:
+                self._restore(resume)
+            self.start_step = self.step
+            metrics_log = MetricsLog(self.run_dir, resume_step=self.step)
+            progress = StepProgress(self.total_steps, self.step, self.progress_enabled)
+            save_freq = self.cfg.trainer.save_freq
+            while self.step < self.total_steps:
+                m = self.train_step()
+                metrics_log.write(m)
+                self.history.append(m)
+                progress.update(self.step, m)
+                if save_freq and save_freq > 0 and self.step % save_freq == 0:
+                    self.save()
+                if self.preempt.requested:
+                    if not self._saved_now():
+                        self.save()
+                    log.warning("preemption signal: checkpointed step %d, exiting with %d (requeue)",
+                                self.step, REQUEUE_EXIT_CODE)
+                    return REQUEUE_EXIT_CODE
+            if not self._saved_now():
+                self.save()
+            progress.close()
+            progress = None
+            if self.progress_enabled:
+                summary_table(self.history, self.run_dir)
+            return 0
+        finally:
+            if progress:
+                progress.close()
+            if metrics_log:
+                metrics_log.close()
+            self.preempt.uninstall()
+            if self.runner is not None:
+                self.runner.shutdown()
+
+    def _saved_now(self) -> bool:
+        return bool(self.last_checkpoint and self.last_checkpoint.name == f"global_step_{self.step}"
+                    and self.last_checkpoint.exists())
+
+
+def _tuplify(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return tuple(_tuplify(x) for x in obj)
+    return obj

@@ -1,0 +1,114 @@
+"""Trainer config: verl key names, strict keys and values, batch arithmetic, device mapping."""
+from __future__ import annotations
+
+import pytest
+
+from hpc_verl.errors import ConfigError
+from hpc_verl.trainer.config import check_batch_arithmetic, load_config, validate_for_run
+
+
+def test_defaults_and_overrides_use_verl_names(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  train_batch_size: 32\nactor_rollout_ref:\n  rollout:\n    n: 4\n    name: hf\n"
+                 "algorithm:\n  adv_estimator: grpo\n")
+    cfg = load_config(f, ["data.train_batch_size=64", "actor_rollout_ref.actor.optim.lr=1e-3",
+                          "trainer.default_local_dir=/x/${trainer.experiment_name}"])
+    assert cfg.data.train_batch_size == 64  # command line beats file
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-3)  # YAML 1.1 reads 1e-3 as text
+    assert cfg.trainer.default_local_dir == "/x/ppo"
+    assert cfg.critic.enable is False  # derived: grpo needs no critic
+    assert cfg.critic.ppo_mini_batch_size == cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    assert cfg.hpc_verl.run_dir == "/x/ppo"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("data.trian_batch_size=3", "did you mean 'data.train_batch_size'"),
+    ("actor_rollout_ref.rollout.nam=hf", "did you mean 'actor_rollout_ref.rollout.name'"),
+    ("trainer.nnodes=two", "expected an integer"),
+    ("data.train_batch_size=0", "must be > 0"),
+    ("actor_rollout_ref.rollout.name=vlm", "not one of hf, vllm (did you mean 'vllm'?)"),
+    ("algorithm.adv_estimator=ppo", "not one of gae, grpo"),
+    ("algorithm.gamma=1.5", "within [0, 1]"),
+    ("algorithm.kl_ctrl=3", "is a section"),
+    ("trainer.save_freq=true", "expected an integer"),
+    ("hpc_verl.device_mapping={actor: [0, 9]}", "outside 0..7"),
+    ("hpc_verl.device_mapping={actr: [0]}", "did you mean 'actor'"),
+    ("nonsense", "expected key=value"),
+])
+def test_bad_overrides_are_one_line(override, needle):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [override])
+    msg = str(ei.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_bad_yaml_file_names_file_and_line(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("data:\n  train_batch_size: [1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml line \d+: not valid YAML"):
+        load_config(f)
+    f.write_text("data:\n  max_prompt_lenght: 10\n")
+    with pytest.raises(ConfigError, match="did you mean 'data.max_prompt_length'"):
+        load_config(f)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_batch_arithmetic_problems():
+    cfg = {"data": {"train_batch_size": 6}, "actor_rollout_ref": {"rollout": {"n": 1}, "actor": {
+        "ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 3}}, "algorithm": {"adv_estimator": "grpo"}}
+    problems = check_batch_arithmetic(cfg, 4)
+    assert any("6 responses is not divisible by 4 GPUs" in p for p in problems)
+    # a valid verl-like layout: 8 GPUs, 1024 prompts x 5, mini 256 -> 160 responses per GPU, micro 16
+    good = {"data": {"train_batch_size": 1024}, "actor_rollout_ref": {"rollout": {"n": 5}, "actor": {
+        "ppo_mini_batch_size": 256, "ppo_micro_batch_size_per_gpu": 16}}, "critic": {"ppo_micro_batch_size_per_gpu": 32}}
+    assert check_batch_arithmetic(good, 8) == []
+    good["actor_rollout_ref"]["actor"]["ppo_micro_batch_size_per_gpu"] = 24  # 160 % 24 != 0
+    problems = check_batch_arithmetic(good, 8)
+    assert len(problems) == 1 and "does not divide the per-GPU mini-batch" in problems[0] and "160" in problems[0]
+    # on CPU (0 GPUs) only the mini/micro relation is checked
+    cpu = {"data": {"train_batch_size": 6}, "actor_rollout_ref": {"rollout": {"n": 3}, "actor": {
+        "ppo_mini_batch_size": 2, "ppo_micro_batch_size_per_gpu": 3}}, "algorithm": {"adv_estimator": "grpo"}}
+    assert check_batch_arithmetic(cpu, 0) == []
+    cpu["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = 8
+    assert "larger than data.train_batch_size" in check_batch_arithmetic(cpu, 0)[0]
+
+
+def test_validate_for_run_catches_inconsistent_settings(tmp_path):
+    base = [f"actor_rollout_ref.model.path={tmp_path}", f"data.train_files={tmp_path}/t.parquet", "trainer.device=cpu"]
+    with pytest.raises(ConfigError, match="grpo needs actor_rollout_ref.rollout.n >= 2"):
+        validate_for_run(load_config(None, base + ["algorithm.adv_estimator=grpo", "data.train_batch_size=8",
+                                                   "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path is not set"):
+        validate_for_run(load_config(None, ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
+    with pytest.raises(ConfigError, match="not divisible by 16 GPUs"):
+        validate_for_run(load_config(None, base + ["trainer.device=cuda", "trainer.nnodes=2",
+                                                   "data.train_batch_size=12",
+                                                   "actor_rollout_ref.actor.ppo_mini_batch_size=4"]))
+
+
+def test_device_mapping_gives_roles_gpu_groups():
+    from hpc_verl.trainer.graph import role_resources, roles_for
+    cfg = load_config(None, ["trainer.n_gpus_per_node=8", "algorithm.adv_estimator=gae",
+                             "hpc_verl.device_mapping={actor: [0,1,2,3], rollout: '4,5,6,7', critic: [0,1,2,3], "
+                             "ref: [4,5,6,7]}"])
+    res = role_resources(cfg, roles_for(cfg))
+    # actor+critic share 4 GPUs -> 2 each; rollout+ref share the other 4 -> 2 each; rule reward on CPU
+    assert res["actor"] == {"GPU": 2.0} and res["critic"] == {"GPU": 2.0}
+    assert res["reward"] == {}
+    assert cfg.hpc_verl.device_mapping["rollout"] == [4, 5, 6, 7]
+    # the default (no mapping): every role shares all 8 GPUs (hybrid engine)
+    cfg = load_config(None, ["trainer.n_gpus_per_node=2", "algorithm.adv_estimator=gae"])
+    res = role_resources(cfg, roles_for(cfg))
+    assert res["actor"] == {"GPU": 0.6667} and res["rollout"] == res["critic"]
+    assert role_resources(load_config(None, ["trainer.device=cpu"]), ("actor",)) == {"actor": {}}
+
+
+def test_cli_train_unknown_key_one_line(cli):
+    res = cli("train", "data.trian_batch_size=4")
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "did you mean 'data.train_batch_size'" in lines[0], res.stderr
+    res = cli("train", "--print-config", "data.train_batch_size=4")
+    assert res.returncode == 0 and "train_batch_size: 4" in res.stdout

@@ -1,0 +1,113 @@
+"""Tiny model/tokenizer creation, the offline model check, rollout generation and weight sync."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer_fixtures import digits_data, digit_overrides, tiny_model  # noqa: E402,F401
+
+
+def test_make_tiny_model_and_check_model_cli(cli, tmp_path):
+    out = tmp_path / "m"
+    res = cli("make-tiny-model", str(out), "--hidden-size", "32", "--layers", "1", "--heads", "2")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == 32
+    res = cli("check-model", str(out))
+    assert res.returncode == 0 and "chat template: yes" in res.stdout, res.stderr
+    from hpc_verl.trainer.model import ModelError, make_tiny_model
+    with pytest.raises(ModelError, match="--overwrite"):  # never over an existing model
+        make_tiny_model(out)
+    (out / "tokenizer.json").write_text("{broken")
+    (out / "tokenizer_config.json").write_text("{broken")
+    res = cli("check-model", str(out))
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "tokenizer does not load" in lines[0], res.stderr
+    res = cli("check-model", str(tmp_path / "nothing"))
+    assert res.returncode == 2 and "is not a directory" in res.stderr
+
+
+def _cfg(tiny_model, digits_data, tmp_path, *extra):
+    from hpc_verl.trainer.config import load_config
+    return load_config(None, digit_overrides(tiny_model, digits_data, tmp_path, 2, extra)).to_dict()
+
+
+def test_rollout_generates_masked_responses_and_syncs_versions(tiny_model, digits_data, tmp_path):
+    from hpc_verl.trainer import workers as W
+    cfg = _cfg(tiny_model, digits_data, tmp_path, "data.max_response_length=6")
+    roll = W.RolloutWorker(cfg)
+    actor = W.ActorWorker(cfg)
+    prompts = [[5, 9, 10, 7, 6], [5, 9, 10, 11, 12, 13, 7, 6]]
+    out = roll.generate({"prompt_ids": prompts}, required_version=0)
+    assert out["input_ids"].shape == (2, 8 + 6) and out["responses"].shape == (2, 6)
+    # prompts are left-padded to end together, attention follows the padding
+    assert out["attention_mask"][0, :3].tolist() == [0, 0, 0] and out["attention_mask"][1].sum() >= 8
+    eos = roll.tokenizer.eos_token_id
+    for r, m in zip(out["responses"], out["response_mask"]):
+        hit = (r == eos).nonzero()
+        if len(hit):  # mask keeps tokens up to and including the first EOS
+            assert m[: hit[0] + 1].all() and not m[hit[0] + 1:].any()
+        else:
+            assert m.all()
+    # sampled tokens recomputed by the actor with the same weights: finite log-probs, greedy = argmax
+    greedy = roll.generate({"prompt_ids": prompts}, greedy=True)
+    lp = actor.compute_log_prob(greedy)["old_log_prob"]
+    assert torch.isfinite(lp).all()
+    # weight sync: versions move forward only; a stale rollout refuses to generate
+    with pytest.raises(W.StalePolicyError):
+        roll.generate({"prompt_ids": prompts}, required_version=1)
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            p.add_(0.5)
+    actor.version = 1
+    weights, version = actor.get_weights()
+    assert roll.load_weights(weights, version) == 1
+    key = next(iter(weights))
+    assert torch.equal(roll.model.state_dict()[key], weights[key])
+    roll.generate({"prompt_ids": prompts}, required_version=1)
+    with pytest.raises(W.StalePolicyError):
+        roll.load_weights(weights, 0)
+
+
+def test_actor_update_accumulates_micro_batches_like_one_batch(tiny_model, digits_data, tmp_path):
+    """Grad accumulation over micro-batches gives the same update as the whole mini-batch at once."""
+    from hpc_verl.trainer import workers as W
+    base = ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=2",
+            "data.train_batch_size=16", "actor_rollout_ref.actor.grad_clip=1000",
+            "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
+    cfg_one = _cfg(tiny_model, digits_data, tmp_path, *base)
+    cfg_micro = _cfg(tiny_model, digits_data, tmp_path, *base, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    roll = W.RolloutWorker(cfg_one)
+    batch = roll.generate({"prompt_ids": [[5, 9 + i % 10, 10, 7, 6] for i in range(32)]})
+    a1, a2 = W.ActorWorker(cfg_one), W.ActorWorker(cfg_micro)
+    batch.update(a1.compute_log_prob(batch))
+    batch["advantages"] = torch.randn(32, 1).expand(-1, batch["responses"].shape[1]) * batch["response_mask"]
+    m1, m2 = a1.update_policy(dict(batch)), a2.update_policy(dict(batch))
+    assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-4)
+    for (k, p1), p2 in zip(a1.model.named_parameters(), a2.model.parameters()):
+        assert torch.allclose(p1, p2, atol=1e-6), k
+    # and the update changed the policy
+    a3 = W.ActorWorker(cfg_one)
+    assert any(not torch.equal(p, q) for p, q in zip(a1.model.parameters(), a3.model.parameters()))
+    # grad clipping bounds the step: with clip 1e-6 the weights barely move
+    cfg_clip = _cfg(tiny_model, digits_data, tmp_path, *base[:-2], "actor_rollout_ref.actor.grad_clip=0.000001")
+    a4 = W.ActorWorker(cfg_clip)
+    before = [p.detach().clone() for p in a4.model.parameters()]
+    a4.update_policy(dict(batch))
+    lr = cfg_clip["actor_rollout_ref"]["actor"]["optim"]["lr"]
+    assert max((p - b).abs().max().item() for p, b in zip(a4.model.parameters(), before)) <= lr * 1.01
+
+
+def test_vllm_rollout_without_vllm_is_one_clear_error(tiny_model, digits_data, tmp_path):
+    import importlib.util
+
+    from hpc_verl.errors import HpcVerlError
+    from hpc_verl.trainer import workers as W
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    cfg = _cfg(tiny_model, digits_data, tmp_path, "actor_rollout_ref.rollout.name=vllm")
+    with pytest.raises(HpcVerlError, match="vLLM is not installed"):
+        W.make_rollout_worker(cfg)
+    assert cfg["hpc_verl"]["old_log_prob_from_rollout"] is False  # vLLM numerics differ: recompute
