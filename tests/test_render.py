@@ -177,9 +177,9 @@ def test_cli_render_with_a_broken_site_profile_writes_nothing(cli, tmp_path):
 
 
 def test_cli_overrides_anywhere_on_the_line(cli, tmp_path):
-    res = cli("render", "--profile", "ib-a100", "trainer.a=1", "--set", "slurm.nodes=3", "trainer.b=2", cwd=tmp_path)
+    res = cli("render", "--profile", "ib-a100", "trainer.total_epochs=1", "--set", "slurm.nodes=4", "trainer.save_freq=2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    assert "HPCV_TRAINER_ARGS=(trainer.a=1 trainer.b=2)" in res.stdout and "#SBATCH --nodes=3" in res.stdout
+    assert "HPCV_TRAINER_ARGS=(trainer.total_epochs=1 trainer.save_freq=2)" in res.stdout and "#SBATCH --nodes=4" in res.stdout
     res = cli("render", "--profile", "ib-a100", "--bogus", cwd=tmp_path)
     assert res.returncode == 2 and "unrecognized arguments: --bogus" in res.stderr
 
