@@ -41,3 +41,27 @@ def test_atomic_save_rotation_and_failed_save(tmp_path):
     # re-saving the same step replaces it atomically
     save_checkpoint(tmp_path, 3, {"actor": {"w": torch.ones(1)}}, {"step": 3, "again": True})
     assert json.loads((tmp_path / "global_step_3" / "trainer_state.json").read_text())["again"] is True
+
+
+def test_preemption_flag_from_signal_or_launcher_file(tmp_path, monkeypatch):
+    """The launcher asks through $HPCV_PREEMPT_FILE (signals stop at srun/exec wrappers) or SIGUSR2."""
+    import os
+    import signal
+
+    from hpc_verl.trainer.checkpoint import PreemptionFlag
+
+    marker = tmp_path / "PREEMPT"
+    monkeypatch.setenv("HPCV_PREEMPT_FILE", str(marker))
+    flag = PreemptionFlag().install()
+    try:
+        assert not flag.requested
+        marker.touch()
+        assert flag.requested
+        marker.unlink()
+        assert not flag.requested
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert flag.requested
+    finally:
+        flag.uninstall()
+    monkeypatch.delenv("HPCV_PREEMPT_FILE")
+    assert not PreemptionFlag().requested

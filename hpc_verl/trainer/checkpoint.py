@@ -118,11 +118,24 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict, dict[str, Any]]
 
 
 class PreemptionFlag:
-    """Set by SIGUSR2; the trainer polls it at step boundaries (never checkpoints mid-step)."""
+    """Set by SIGUSR2 or by the launcher's preempt file; polled at step boundaries only.
 
-    def __init__(self) -> None:
-        self.requested = False
+    Inside a job the launcher cannot signal the trainer directly (srun and container
+    ``exec`` wrappers sit in between), so it also creates ``$HPCV_PREEMPT_FILE`` on the
+    shared filesystem; either one asks for a checkpoint and the "requeue me" exit.
+    """
+
+    def __init__(self, preempt_file: str | os.PathLike[str] | None = None) -> None:
+        self._signalled = False
         self._previous: Any = None
+        path = preempt_file if preempt_file is not None else os.environ.get("HPCV_PREEMPT_FILE")
+        self.preempt_file = Path(path) if path else None
+
+    @property
+    def requested(self) -> bool:
+        if self._signalled:
+            return True
+        return self.preempt_file is not None and self.preempt_file.exists()
 
     def install(self) -> "PreemptionFlag":
         try:
@@ -132,7 +145,7 @@ class PreemptionFlag:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
+        self._signalled = True
 
     def uninstall(self) -> None:
         if self._previous is not None:
