@@ -82,6 +82,8 @@ class NodeSupervisor:
         self.temp_dir = node_temp_dir(self.plan, self.node)
         self.stopping = False
         self.env = {**os.environ, **ray_env(job_dir), "HPC_VERL_RAY_NODE": self.node}
+        # a loaded node starts Ray's agents slowly; the readiness barrier bounds the wait instead
+        self.env.setdefault("RAY_agent_register_timeout_ms", "120000")
         # ray start would otherwise pick up ~/.ray/auth_token of whoever runs it
         self.env.pop("RAY_AUTH_TOKEN", None)
         self.env.pop("RAY_ADDRESS", None)
