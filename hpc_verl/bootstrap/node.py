@@ -90,7 +90,8 @@ class NodeSupervisor:
 
     def state(self, **kw: Any) -> None:
         write_node_state(self.job_dir, self.node, node=self.node, role="head" if self.is_head else "worker",
-                         supervisor_pid=os.getpid(), temp_dir=self.temp_dir, **kw)
+                         supervisor_pid=os.getpid(), temp_dir=self.temp_dir,
+                         in_container=os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv"), **kw)
 
     def _num_gpus(self) -> int:
         env_gpus = os.environ.get("SLURM_GPUS_ON_NODE")

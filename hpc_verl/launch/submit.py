@@ -85,8 +85,8 @@ def _pre_stages(job: Any) -> list[dict[str, Any]]:
     """Stages before Ray, each skipped by a requeued run once its marker exists."""
     data = getattr(job, "data", None)
     module = getattr(data, "preprocess_module", None) if data is not None else None
-    if not module:
-        return []
+    if not module or (hasattr(data, "raw") and not data.raw and module == "hpc_verl.data.preprocess"):
+        return []  # nothing to preprocess (the launcher's default job has no raw data)
     return [{"name": "preprocess", "command": ["hpcv_tool", "-m", module, *data.preprocess_args]}]
 
 
