@@ -154,9 +154,11 @@ def submit(profile: str, config: str | None = None, overrides: Sequence[str] = (
     prof = json.loads((Path(rec.job_dir) / "profile.json").read_text())
     s = prof["slurm"]
     ex = submitit.SlurmExecutor(folder=str(Path(rec.job_dir) / "submitit"), max_num_timeout=0)
-    params: dict[str, Any] = dict(nodes=s["nodes"], ntasks_per_node=1, cpus_per_task=s["cpus_per_task"],
+    # submitit's own task count stays 1 (our script runs once, on the first node, and srun's the
+    # Ray nodes itself); the allocation still gets every node through --nodes.
+    params: dict[str, Any] = dict(nodes=1, ntasks_per_node=1, cpus_per_task=s["cpus_per_task"],
                                   time=s["time_min"], job_name=rec.name, use_srun=False,
-                                  additional_parameters={"chdir": rec.job_dir})
+                                  additional_parameters={"chdir": rec.job_dir, "nodes": s["nodes"]})
     if s.get("gpus_per_node"):
         params["gpus_per_node"] = s["gpus_per_node"]
     if s.get("partition"):
