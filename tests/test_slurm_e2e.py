@@ -57,12 +57,12 @@ def assert_clean(job_dir: str, job_id: int) -> None:
     assert not left, f"job {job_id} left behind: {left}"
 
 
-def assert_two_node_run(job_dir: str) -> None:
+def assert_two_node_run(job_dir: str, gpus_per_node: int = 4) -> None:
     r = result(job_dir)
     assert r["alive_nodes"] == 2
-    assert r["gpus"] == 8  # 2 nodes x 4 (fake) GPUs from the allocation's gres
+    assert r["gpus"] == 2 * gpus_per_node  # 2 nodes x N (fake) GPUs from the allocation's gres
     assert sorted(p["node"] for p in r["placed"]) == ["node1", "node2"]  # a Ray task ran on each node
-    assert "Ray ready: 2 nodes, 8 GPUs" in batch_log(job_dir)
+    assert f"Ray ready: 2 nodes, {2 * gpus_per_node} GPUs" in batch_log(job_dir)
 
 
 def test_a_submit_two_node_job(slurm_testbed, tmp_path):
@@ -135,10 +135,12 @@ def test_d_worker_that_cannot_start_fails_fast_naming_the_node(slurm_testbed, tm
 
 def test_e_two_jobs_at_once_on_the_same_nodes(slurm_testbed, tmp_path):
     bed = slurm_testbed
-    jobs = [submit(bed, "testbed-local", job_yaml(tmp_path, f"e{i}", steps=6, step_s=1.0)) for i in range(2)]
+    # 2 of the 4 GPUs per node each, so SLURM runs both jobs at once on node1 and node2
+    jobs = [submit(bed, "testbed-local", job_yaml(tmp_path, f"e{i}", steps=8, step_s=1.0), "slurm.gpus_per_node=2")
+            for i in range(2)]
     for job_id, job_dir in jobs:
         assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}) == "COMPLETED", batch_log(job_dir)
-        assert_two_node_run(job_dir)
+        assert_two_node_run(job_dir, gpus_per_node=2)
     addrs = [result(d)["ray_address"] for _, d in jobs]
     assert addrs[0] != addrs[1]
     blocks = [json.loads((Path(d) / "ray" / "nodes" / "node1.json").read_text())["ports"]["block_start"]
