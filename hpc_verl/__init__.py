@@ -12,6 +12,14 @@ from hpc_verl._version import __version__
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
+    "load_profile": "hpc_verl.profiles",
+    "list_profiles": "hpc_verl.profiles",
+    "Profile": "hpc_verl.profiles",
+    "build_plan": "hpc_verl.launch.plan",
+    "LaunchPlan": "hpc_verl.launch.plan",
+    "render_sbatch": "hpc_verl.launch.render",
+    "load_job_config": "hpc_verl.launch.jobconfig",
+    "JobConfig": "hpc_verl.launch.jobconfig",
     "submit": "hpc_verl.launch.submit",
 }
 

@@ -1,0 +1,1 @@
+"""From profile + job config to what runs: plan, render, (backends live beside them)."""
