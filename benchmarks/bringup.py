@@ -91,9 +91,9 @@ def run_ours(env: dict, cfg: str) -> float:
     proc = subprocess.run([sys.executable, "-m", "hpc_verl", "submit", "--profile", "testbed-local", "--config", cfg],
                           env=env, capture_output=True, text=True, check=True)
     job_id = int(re.search(r"submitted job (\d+)", proc.stdout).group(1))
-    job_dir = re.search(r"job directory: (\S+)", proc.stdout).group(1)
+    run_dir = re.search(r"run directory: (\S+)", proc.stdout).group(1)
     state = _wait_done(env, job_id)
-    log = (Path(job_dir) / "logs" / "batch.log").read_text()
+    log = Path(run_dir + ".out").read_text()
     m = re.search(r"Ray ready ([\d.]+)s after the batch script started", log)
     if state != "COMPLETED" or not m:
         raise SystemExit(f"ours: job {job_id} {state}; log:\n{log[-2000:]}")
@@ -163,7 +163,8 @@ def main() -> int:
         env = {**os.environ, **bed.env(), "HPC_VERL_HOME": str(work / "home"), "HPC_VERL_PROFILE_PATH": str(prof),
                "PYTHONPATH": str(REPO)}
         cfg = work / "job.yaml"
-        cfg.write_text("name: bench\ntrainer:\n  module: hpc_verl.bootstrap.workload\n  args: [--steps, '0']\n")
+        cfg.write_text("name: bench\ntrainer:\n  module: hpc_verl.bootstrap.workload\n  args: [--steps, '0']\n"
+                       "  derive_overrides: false\n")
         ours, base = [], []
         for i in range(args.runs):  # interleaved, so machine load hits both alike
             ours.append(run_ours(env, str(cfg)))
