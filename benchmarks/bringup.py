@@ -182,6 +182,11 @@ def main() -> int:
     finally:
         if owned:
             bed.down()
+        import shutil
+
+        shutil.rmtree(temp_root, ignore_errors=True)
+        if owned:
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
