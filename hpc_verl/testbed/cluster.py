@@ -35,13 +35,13 @@ class TestBedError(HpcVerlError):
 
 
 def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports below the Linux ephemeral range."""
+    """``n`` distinct free TCP ports, below the ephemeral range and clear of Ray's defaults."""
     import random
 
     found: list[int] = []
     rnd = random.Random(os.getpid() ^ int(time.time()))
     while len(found) < n:
-        port = rnd.randrange(12000, 19000)
+        port = rnd.randrange(6400, 7900)  # clear of Ray defaults (6379, 8265, 10001, 10002-19999)
         if port in found:
             continue
         with socket.socket() as s:
