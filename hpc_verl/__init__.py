@@ -32,6 +32,7 @@ _LAZY: dict[str, str] = {
     "PPOTrainer": "hpc_verl.trainer.ppo",
     "load_config": "hpc_verl.trainer.config",
     "check_batch_arithmetic": "hpc_verl.trainer.config",
+    "submit": "hpc_verl.launch.submit",
 }
 
 
