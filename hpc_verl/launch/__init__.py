@@ -1,0 +1,1 @@
+"""Turning a profile + job config into something that runs: plan, render, backends, registry."""
