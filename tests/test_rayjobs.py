@@ -15,7 +15,7 @@ import time
 import pytest
 
 from hpc_verl.launch import rayjobs
-from tests.rayhead import free_ports, start_ray_head
+from rayhead import free_ports, start_ray_head
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +187,64 @@ def test_address_and_driver_validation():
     assert rayjobs.state_of("STOPPED") == "CANCELLED"
     with pytest.raises(rayjobs.RayJobsError, match="does not exist"):
         rayjobs.build_runtime_env(working_dir="no/such/dir")
+
+
+# --------------------------------------------------------------------------- registry-level glue
+
+def test_ops_submit_record_describe_cancel(head, tmp_path):
+    from hpc_verl.launch import rayjobs_ops
+
+    opts = rayjobs_ops.RayJobOptions.from_mapping({"env_vars": {"EXTRA": "1"}})
+    driver = rayjobs.DriverSpec(trainer="command", command=[
+        "python3", "-u", "-c",
+        "import os, time; print('env', os.environ['NCCL_DEBUG'], os.environ['EXTRA'], flush=True);"
+        " time.sleep(300)"])
+    job_dir = tmp_path / "job"
+    h, rec = rayjobs_ops.submit(address=head.address, driver=driver, name="ops", options=opts,
+                                profile_env={"NCCL_DEBUG": "WARN"}, token_file=head.token_file,
+                                job_dir=job_dir, profile_name="local")
+    assert rec["kind"] == "rayjob" and rec["submission_id"] == h.submission_id == rec["id"]
+    assert rec["token_file"] == str(head.token_file) and "token" not in json.dumps(
+        json.loads((job_dir / "ray_job.json").read_text())["runtime_env"]).lower()
+    saved = json.loads((job_dir / "ray_job.json").read_text())
+    assert saved["runtime_env"]["env_vars"] == {"NCCL_DEBUG": "WARN", "EXTRA": "1"}
+    deadline = time.monotonic() + 60
+    while "env WARN 1" not in h.logs():
+        assert time.monotonic() < deadline, h.logs()
+        time.sleep(0.3)
+    assert rayjobs_ops.describe(rec)["state"] == "RUNNING"
+    assert "stop requested" in rayjobs_ops.cancel(rec)
+    assert h.wait(timeout_s=60, check=False) == "CANCELLED"
+    assert "already ended (CANCELLED)" in rayjobs_ops.cancel(rec)
+
+
+def test_ops_describe_failed_job_and_follow_exit_code(head, capsys):
+    from hpc_verl.launch import rayjobs_ops
+
+    driver = rayjobs.DriverSpec(trainer="command", command=[
+        "python3", "-c", "print('about to fail'); raise SystemExit(7)"])
+    h, rec = rayjobs_ops.submit(address=head.address, driver=driver, name="fails",
+                                token_file=head.token_file)
+    assert rayjobs_ops.logs(rec, follow=True) == 1
+    assert "about to fail" in capsys.readouterr().out
+    d = rayjobs_ops.describe(rec)
+    assert d["state"] == "FAILED" and d["driver_exit_code"] == 7
+    assert "about to fail" in d["last_log_lines"]
+
+
+def test_ops_dry_run_and_options_validation(tmp_path):
+    from hpc_verl.errors import ConfigError
+    from hpc_verl.launch import rayjobs_ops
+
+    (port,) = free_ports(1)  # nothing listens: a dry run must not connect
+    h, rec = rayjobs_ops.submit(address=f"127.0.0.1:{port}", name="dry", dry_run=True,
+                                driver=rayjobs.DriverSpec(overrides=["trainer.total_epochs=1"]),
+                                job_dir=tmp_path)
+    assert h is None
+    saved = json.loads((tmp_path / "ray_job.json").read_text())
+    assert saved["entrypoint"] == "python3 -m hpc_verl.trainer.main trainer.total_epochs=1"
+    assert saved["runtime_env"]["py_modules"] == [rayjobs.hpc_verl_package_dir()]  # built-in ships itself
+    with pytest.raises(ConfigError, match="unknown key 'working_dri'.*did you mean 'working_dir'"):
+        rayjobs_ops.RayJobOptions.from_mapping({"working_dri": "."})
+    with pytest.raises(ConfigError, match="pip: expected a list"):
+        rayjobs_ops.RayJobOptions.from_mapping({"pip": "numpy"})

@@ -26,6 +26,7 @@ import secrets
 import shlex
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -275,7 +276,9 @@ class RayCluster:
             async for chunk in self.client.tail_job_logs(submission_id):
                 write(chunk)
 
-        with self._errors("follow logs of", submission_id):
+        with self._errors("follow logs of", submission_id), warnings.catch_warnings():
+            # Ray's websocket call trips an aiohttp deprecation warning (ssl=None): not ours to show.
+            warnings.simplefilter("ignore", DeprecationWarning)
             asyncio.run(_tail())
         # The websocket closes when the job is terminal, but the status may lag a moment.
         deadline = time.monotonic() + 10

@@ -1,0 +1,185 @@
+"""The glue between a job (profile + job config) and a Ray cluster's Jobs API.
+
+``rayjobs`` speaks to Ray; this module decides *what* to send (driver command,
+runtime_env from the profile's environment block and the job's ``ray_job``
+section), writes the job directory, and turns registry records back into
+handles, so the ``status``/``logs``/``cancel`` verbs treat Ray jobs and SLURM
+jobs alike (they call :func:`describe`, :func:`logs`, :func:`cancel` when a
+record's ``kind`` is ``rayjob``).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TextIO
+
+from hpc_verl.errors import ConfigError
+from hpc_verl.launch import rayjobs
+from hpc_verl.util.fs import atomic_write_json
+from hpc_verl.util.suggest import unknown_key_message
+
+KIND = "rayjob"
+
+
+@dataclass
+class RayJobOptions:
+    """The job config's ``ray_job:`` section: what the runtime_env carries besides the profile's env."""
+
+    working_dir: str | None = None
+    pip: list[str] = field(default_factory=list)
+    py_modules: list[str] = field(default_factory=list)
+    excludes: list[str] = field(default_factory=lambda: [".git", "__pycache__", "*.pyc"])
+    env_vars: dict[str, str] = field(default_factory=dict)
+    ship_hpc_verl: str = "auto"  # auto (when the driver is the built-in trainer) | true | false
+    entrypoint_num_cpus: float | None = None
+    entrypoint_num_gpus: float | None = None
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | None, where: str = "ray_job") -> "RayJobOptions":
+        data = dict(data or {})
+        valid = set(cls.__dataclass_fields__)
+        for key in data:
+            if key not in valid:
+                raise ConfigError(unknown_key_message(key, where, valid))
+        opts = cls(**data)
+        for key in ("pip", "py_modules", "excludes"):
+            value = getattr(opts, key)
+            if isinstance(value, str) or not isinstance(value, list):
+                raise ConfigError(f"{where}.{key}: expected a list of strings, got {value!r}; "
+                                  f"write {key}: [a, b]")
+        if not isinstance(opts.env_vars, dict):
+            raise ConfigError(f"{where}.env_vars: expected a mapping NAME: value, got {opts.env_vars!r}")
+        if str(opts.ship_hpc_verl).lower() not in ("auto", "true", "false"):
+            raise ConfigError(f"{where}.ship_hpc_verl: '{opts.ship_hpc_verl}' is not auto, true or false")
+        return opts
+
+    def ships_hpc_verl(self, driver: rayjobs.DriverSpec) -> bool:
+        mode = str(self.ship_hpc_verl).lower()
+        return mode == "true" or (mode == "auto" and driver.trainer == "builtin")
+
+
+def runtime_env_for(driver: rayjobs.DriverSpec, profile_env: Mapping[str, Any],
+                    options: RayJobOptions, base_dir: str | Path | None = None) -> dict[str, Any]:
+    """profile environment (NCCL block etc.) + the job's own env, files and packages."""
+    env_vars = {**{k: str(v) for k, v in profile_env.items()}, **options.env_vars}
+    py_modules = list(options.py_modules)
+    if options.ships_hpc_verl(driver):
+        py_modules.append(rayjobs.hpc_verl_package_dir())
+    return rayjobs.build_runtime_env(env_vars, working_dir=options.working_dir, pip=options.pip,
+                                     py_modules=py_modules, excludes=options.excludes,
+                                     base_dir=base_dir)
+
+
+def submit(*, address: str, driver: rayjobs.DriverSpec, name: str,
+           profile_env: Mapping[str, Any] | None = None, options: RayJobOptions | None = None,
+           token_file: str | Path | None = None, base_dir: str | Path | None = None,
+           job_dir: str | Path | None = None, profile_name: str | None = None,
+           extra_record: Mapping[str, Any] | None = None,
+           dry_run: bool = False) -> tuple[rayjobs.RayJobHandle | None, dict[str, Any]]:
+    """Submit ``driver`` to the cluster at ``address``; returns (handle, registry record).
+
+    Everything is checked and written to ``job_dir`` (``ray_job.json``: the exact
+    entrypoint and runtime_env) before anything is sent, so a rejected submission
+    leaves an inspectable record and ``dry_run`` shows what would be sent.
+    """
+    options = options or RayJobOptions()
+    runtime_env = runtime_env_for(driver, profile_env or {}, options, base_dir)
+    entrypoint = driver.entrypoint()
+    submission_id = rayjobs.new_submission_id(name)
+    address = rayjobs.normalize_address(address)
+    token_path = str(Path(token_file).expanduser().resolve()) if token_file else None
+    record: dict[str, Any] = {
+        "id": submission_id,
+        "kind": KIND,
+        "name": name,
+        "address": address,
+        "submission_id": submission_id,
+        "token_file": token_path,
+        "profile": profile_name,
+        "entrypoint": entrypoint,
+        "submitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "job_dir": str(Path(job_dir).resolve()) if job_dir else None,
+        **dict(extra_record or {}),
+    }
+    if job_dir:
+        atomic_write_json(Path(job_dir) / "ray_job.json", {
+            "address": address, "submission_id": submission_id, "entrypoint": entrypoint,
+            "runtime_env": runtime_env, "dry_run": dry_run,
+        })
+    if dry_run:
+        return None, record
+    cluster = rayjobs.connect(address, token_file)
+    record["ray_version"] = cluster.cluster_version
+    cluster.submit(entrypoint, runtime_env, submission_id=submission_id,
+                   metadata={"hpc_verl_name": name, "hpc_verl_profile": profile_name or ""},
+                   entrypoint_num_cpus=options.entrypoint_num_cpus,
+                   entrypoint_num_gpus=options.entrypoint_num_gpus)
+    return rayjobs.RayJobHandle(address, submission_id, token_path, cluster), record
+
+
+def handle(record: Mapping[str, Any]) -> rayjobs.RayJobHandle:
+    """A handle for a registry record (reconnects; re-reads the token file)."""
+    return rayjobs.RayJobHandle(record["address"], record["submission_id"], record.get("token_file"))
+
+
+def describe(record: Mapping[str, Any], failed_lines: int = rayjobs.FAILED_LOG_LINES) -> dict[str, Any]:
+    """State and details for ``hpc-verl status``; a failed job carries its last log lines."""
+    h = handle(record)
+    info = h.cluster.info(h.submission_id)
+    state = rayjobs.state_of(info.status)
+    out: dict[str, Any] = {
+        "id": record["id"], "kind": KIND, "state": state, "ray_status": str(getattr(info.status, "value", info.status)),
+        "address": record["address"], "submission_id": record["submission_id"],
+        "message": (info.message or "").splitlines()[0] if info.message else "",
+        "start_time": _ms_to_iso(getattr(info, "start_time", None)),
+        "end_time": _ms_to_iso(getattr(info, "end_time", None)),
+        "driver_exit_code": getattr(info, "driver_exit_code", None),
+    }
+    if state == "FAILED":
+        out["last_log_lines"] = rayjobs.last_lines(h.logs(), failed_lines)
+    return out
+
+
+def _ms_to_iso(ms: Any) -> str | None:
+    if not ms:
+        return None
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def state(record: Mapping[str, Any]) -> str:
+    """Just the state word (for ``hpc-verl list``)."""
+    return handle(record).state
+
+
+def logs(record: Mapping[str, Any], follow: bool = False, out: TextIO | None = None) -> int:
+    """Print the driver's log; with ``follow`` stream until the end.
+
+    Returns 0, or 1 when a followed job ended FAILED/CANCELLED (so scripts can
+    ``hpc-verl logs --follow JOB && next-step``).
+    """
+    stream = out or sys.stdout
+    h = handle(record)
+    if not follow:
+        stream.write(h.logs())
+        stream.flush()
+        return 0
+    final = h.follow(stream)
+    if final == "FAILED":
+        print(f"hpc-verl: job {record['id']} FAILED (see the lines above)", file=sys.stderr)
+        return 1
+    if final == "CANCELLED":
+        print(f"hpc-verl: job {record['id']} was cancelled", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cancel(record: Mapping[str, Any]) -> str:
+    """Stop the driver; returns a one-line outcome."""
+    h = handle(record)
+    if h.state in rayjobs.TERMINAL_STATES:
+        return f"job {record['id']} already ended ({h.state})"
+    h.stop()
+    return f"job {record['id']}: stop requested on {record['address']}"
+
