@@ -1,1 +1,1 @@
-"""Turning a profile + job config into something that runs: plan, render, backends, registry."""
+"""From profile + job config to what runs: plan, render, (backends live beside them)."""

@@ -1,0 +1,44 @@
+"""``hpc-verl render``: profile + job config -> sbatch script (stdout or -o FILE)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, *, profile_required: bool = True) -> None:
+    """The inputs of a launch plan, shared by render/validate (and submit)."""
+    parser.add_argument("--profile", required=profile_required, metavar="NAME",
+                        help="cluster profile name or path to a .yaml file")
+    parser.add_argument("--config", metavar="JOB.yaml", help="job config (trainer, data, model)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a profile value (repeatable), e.g. --set slurm.nodes=4")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="trainer overrides, e.g. trainer.total_epochs=2")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("render", help="render the sbatch script for a profile and job",
+                                   description="Render the sbatch script for a profile and job config. Nothing "
+                                               "is submitted; without -o the script goes to stdout.")
+    add_plan_arguments(parser)
+    parser.add_argument("-o", "--output", metavar="FILE", help="write the script here (atomically, executable)")
+    parser.add_argument("--check", action="store_true", help="also run bash -n and shellcheck on the result")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc_verl.errors import RenderError
+    from hpc_verl.launch.plan import build_plan, validate_script
+
+    plan = build_plan(args.profile, args.config, args.overrides, profile_overrides=args.sets)
+    if args.check:
+        problems = validate_script(plan.script)
+        if problems:
+            raise RenderError(f"the rendered script has {len(problems)} problem(s), first: {problems[0]}")
+    if args.output:
+        path = plan.write(args.output)
+        print(f"wrote {path}\n{plan.summary()}", file=sys.stderr)
+    else:
+        sys.stdout.write(plan.script)
+    return 0

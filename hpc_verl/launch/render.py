@@ -1,0 +1,226 @@
+"""Rendering profiles + job configs into sbatch scripts with one strict Jinja environment.
+
+Rules that keep the scripts safe and reviewable:
+- one ``Environment`` with ``StrictUndefined``: a missing variable is an error,
+  never an empty string in a shell command;
+- every profile or user value that reaches the shell goes through ``shquote``
+  (``#SBATCH`` lines, which bash does not evaluate, only carry values that the
+  schema restricted to a safe character set);
+- each template gets its variables from exactly one context function
+  (``CONTEXTS``), so what a template can see is written down in one place;
+- the output is deterministic (no timestamps, no paths of the rendering
+  machine): golden files compare byte for byte.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jinja2
+
+from hpc_verl._version import __version__
+from hpc_verl.errors import RenderError
+from hpc_verl.launch.jobconfig import JobConfig
+from hpc_verl.profiles.schema import Profile, parse_size_bytes
+
+STAGES = ("validate", "preprocess", "model-check", "ray-up", "train", "collect")
+SBATCH_TEMPLATE = "job.sbatch.j2"
+_SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:/@%+=\[\]-]+$")
+
+
+def templates_dir() -> Path:
+    """Templates shipped in the package (a link to the repo's templates/)."""
+    return Path(__file__).resolve().parent.parent / "templates"
+
+
+def shquote(value: Any) -> str:
+    """Quote one value for bash (single quotes; booleans as true/false)."""
+    if value is None or isinstance(value, jinja2.Undefined):
+        raise RenderError("internal: an unset value reached the shell quoting filter; please report this")
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    text = str(value)
+    if "\x00" in text:
+        raise RenderError(f"value {text!r} contains a NUL character and cannot be passed to the shell")
+    return shlex.quote(text)
+
+
+def sharray(values: Any) -> str:
+    """Quoted items of a bash array literal body: ``'a' 'b c'``."""
+    return " ".join(shquote(v) for v in values)
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    """The one Jinja environment for every template."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        # bash uses "{#" (${#array[@]}); Jinja comments get a spelling bash never has
+        comment_start_string="<#--",
+        comment_end_string="--#>",
+    )
+    env.filters["shquote"] = shquote
+    env.filters["sharray"] = sharray
+    return env
+
+
+def docker_size(text: str) -> str:
+    """``"128G"`` -> ``"128g"``; ``"1T"`` -> ``"1024g"`` (docker/podman spelling)."""
+    n = parse_size_bytes(text)
+    for unit, factor in (("g", 1024 ** 3), ("m", 1024 ** 2), ("k", 1024)):
+        if n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)  # pragma: no cover - sizes are whole kilobytes by schema
+
+
+def _time_hms(minutes: int) -> str:
+    days, rest = divmod(minutes, 24 * 60)
+    hours, mins = divmod(rest, 60)
+    return f"{days}-{hours:02d}:{mins:02d}:00" if days else f"{hours:02d}:{mins:02d}:00"
+
+
+def _sbatch_value(key: str, value: str) -> str:
+    if not _SBATCH_SAFE.match(value):
+        raise RenderError(f"{key} {value!r} cannot go into an #SBATCH line (only letters, digits and "
+                          "_.,:/@%+=[]- are allowed there); choose a simpler value")
+    return value
+
+
+def sbatch_options(profile: Profile, job: JobConfig) -> list[str]:
+    """The ``#SBATCH`` options, each one token with no quoting needed."""
+    s = profile.slurm
+    opts = [f"--job-name={job.name}", f"--nodes={s.nodes}", "--ntasks-per-node=1", f"--cpus-per-task={s.cpus_per_task}"]
+    if s.gpus_per_node:
+        opts.append(f"--gpus-per-node={s.gpus_per_node}" if s.gpu_request == "gpus-per-node"
+                    else f"--gres=gpu:{s.gpus_per_node}")
+    if s.mem_gb is not None:
+        opts.append(f"--mem={s.mem_gb}G" if s.mem_gb else "--mem=0")
+    opts.append(f"--time={_time_hms(s.time_min)}")
+    for key in ("partition", "account", "qos", "constraint"):
+        value = getattr(s, key)
+        if value:
+            opts.append(f"--{key}={value}")
+    if s.exclusive:
+        opts.append("--exclusive")
+    opts.append("--requeue" if s.requeue else "--no-requeue")
+    opts.append(f"--signal=B:{s.signal}@{s.signal_lead_s}")
+    opts.append("--open-mode=append")
+    log_dir = _sbatch_value("paths.job_root", profile.paths.job_root.rstrip("/") or "/")
+    opts.append(f"--output={log_dir}/%x-%j.out")
+    opts.extend(s.extra_args)
+    return opts
+
+
+def env_block(profile: Profile) -> list[tuple[str, str, str]]:
+    """(name, value, why) for the exported environment, in order; user ``env.vars`` last (they win)."""
+    n, e, out = profile.network, profile.env, []
+    out.append(("PYTHONUNBUFFERED", "1", "logs appear as they are written"))
+    out.append(("RAY_USAGE_STATS_ENABLED", "0", "no telemetry from compute nodes"))
+    out.append(("TOKENIZERS_PARALLELISM", "true" if e.tokenizers_parallelism else "false",
+                "tokenizer threads vs. forked workers"))
+    if e.cuda_device_max_connections is not None:
+        out.append(("CUDA_DEVICE_MAX_CONNECTIONS", str(e.cuda_device_max_connections),
+                    "kernel ordering for compute/communication overlap"))
+    if e.hf_offline:
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+            out.append((name, "1", "no hub downloads inside jobs"))
+    ifname = n.socket_ifname or n.interface
+    if n.transport in ("infiniband", "roce"):
+        out.append(("NCCL_IB_DISABLE", "0", "use the RDMA HCAs"))
+        out.append(("NCCL_IB_HCA", ",".join(n.ib_hcas), "HCAs from the profile"))
+        if n.transport == "roce":
+            out.append(("NCCL_IB_GID_INDEX", str(n.gid_index), "RoCE v2 GID index"))
+    else:
+        out.append(("NCCL_IB_DISABLE", "1", f"{n.transport}: no RDMA"))
+    if ifname:
+        out.append(("NCCL_SOCKET_IFNAME", ifname, "bootstrap/socket traffic interface"))
+        out.append(("GLOO_SOCKET_IFNAME", ifname, "torch.distributed gloo interface"))
+    if e.nccl_debug:
+        out.append(("NCCL_DEBUG", e.nccl_debug, "NCCL log level"))
+    if profile.accelerator == "amd":
+        out.append(("RCCL_ENABLE_SIGNAL_HANDLER", "0", "RCCL (reads the NCCL_* variables above)"))
+    for name, value in e.vars.items():
+        out.append((name, value, "profile env.vars"))
+    return out
+
+
+def _job_paths(profile: Profile, job: JobConfig) -> None:
+    """Absolute job paths must be inside a directory that is mounted into the container."""
+    if profile.container.runtime == "none":
+        return
+    roots = [p for p in (profile.paths.job_root, profile.paths.data_dir, profile.paths.model_dir,
+                         profile.paths.cache_dir) if p.startswith("/")]
+    roots += [m.split(":")[0] for m in profile.container.mounts if m.startswith("/")]
+    for key, value in (("data.raw", job.data.raw), ("data.dir", job.data.dir), ("model.path", job.model.path)):
+        if value and value.startswith("/") and not any(
+                value.rstrip("/") == r.rstrip("/") or value.startswith(r.rstrip("/") + "/") for r in roots):
+            raise RenderError(f"job config {job.source}: {key} {value!r} is outside every directory mounted into "
+                              "the container (the submit directory, paths.*, container.mounts); use a relative "
+                              "path or add a mount with --set container.mounts=[...]")
+
+
+def derived_overrides(profile: Profile, job: JobConfig) -> list[tuple[str, str]]:
+    """Trainer overrides the launcher adds (unless the job sets them): (key, fixed shell expression)."""
+    if not job.trainer.derive_overrides:
+        return []
+    wanted = [("trainer.nnodes", "$HPCV_NODES"), ("trainer.n_gpus_per_node", "$HPCV_GPUS_PER_NODE"),
+              ("data.train_files", "$HPCV_DATA_PATH/$HPCV_TRAIN_FILE"),
+              ("data.val_files", "$HPCV_DATA_PATH/$HPCV_VAL_FILE"),
+              ("trainer.default_local_dir", "$HPCV_RUN_DIR/checkpoints")]
+    if job.model.path:
+        wanted.append(("actor_rollout_ref.model.path", "$HPCV_MODEL_PATH"))
+    given = {k.lstrip("+~") for k in job.trainer.overrides}
+    return [(k, v) for k, v in wanted if k not in given]
+
+
+def sbatch_context(profile: Profile, job: JobConfig) -> dict[str, Any]:
+    """Everything job.sbatch.j2 and its partials may use (the only context of that template)."""
+    c, n = profile.container, profile.network
+    devices = list(n.ib_devices) if n.transport in ("infiniband", "roce") else []
+    devices += [d for d in c.devices if d not in devices]
+    _job_paths(profile, job)
+    return {
+        "version": __version__,
+        "profile": profile,
+        "job": job,
+        "stages": STAGES,
+        "slurm": profile.scheduler == "slurm",
+        "sbatch_options": sbatch_options(profile, job) if profile.scheduler == "slurm" else [],
+        "runtime": c.runtime,
+        "runtime_partial": f"partials/runtime/{'apptainer' if c.runtime == 'singularity' else c.runtime}.sh.j2",
+        "runtime_bin": c.runtime if c.runtime in ("docker", "podman", "apptainer", "singularity") else "",
+        "shm_size": docker_size(c.shm_size),
+        "devices": devices,
+        "env": env_block(profile),
+        "trainer_args": [*job.trainer.args, *job.trainer_override_args()],
+        "derived": derived_overrides(profile, job),
+    }
+
+
+# template -> its one context function
+CONTEXTS: dict[str, Callable[..., dict[str, Any]]] = {SBATCH_TEMPLATE: sbatch_context}
+
+
+def render_template(name: str, *args: Any) -> str:
+    """Render ``name`` with the variables of its context function; template errors become RenderError."""
+    context = CONTEXTS[name](*args)
+    try:
+        return environment().get_template(name).render(**context)
+    except jinja2.UndefinedError as exc:
+        raise RenderError(f"template {name}: {exc} (a template bug: the context function does not provide it)") \
+            from None
+    except jinja2.TemplateError as exc:
+        raise RenderError(f"template {name}: {exc}") from None
+
+
+def render_sbatch(profile: Profile, job: Optional[JobConfig] = None) -> str:
+    """The sbatch script (text) for a resolved profile and job config."""
+    return render_template(SBATCH_TEMPLATE, profile, job or JobConfig())
