@@ -51,8 +51,8 @@ def test_submit_status_logs_success(cluster, head, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     (work / "driver.py").write_text(DRIVER)
-    driver = rayjobs.DriverSpec(trainer="command", command=["python3", "driver.py"],
-                                overrides=["trainer.total_epochs=1", "x=a b"])
+    driver = rayjobs.DriverSpec.for_command(["python3", "driver.py"],
+                                            ["trainer.total_epochs=1", "x=a b"])
     runtime_env = rayjobs.build_runtime_env(
         {"NCCL_IB_HCA": "mlx5_0,mlx5_1", "TOKENIZERS_PARALLELISM": "false"},
         working_dir=str(work), py_modules=[rayjobs.hpc_verl_package_dir()],
@@ -75,7 +75,7 @@ def test_submit_status_logs_success(cluster, head, tmp_path):
 
 
 def test_failing_driver_reports_last_lines(cluster):
-    driver = rayjobs.DriverSpec(trainer="command", command=[
+    driver = rayjobs.DriverSpec.for_command([
         "python3", "-c", "import sys; [print('line', i) for i in range(40)]; sys.exit(3)"])
     sid = cluster.submit(driver.entrypoint(), {}, submission_id=rayjobs.new_submission_id("bad"))
     handle = rayjobs.RayJobHandle(cluster.address, sid, cluster=cluster)
@@ -89,7 +89,7 @@ def test_failing_driver_reports_last_lines(cluster):
 
 
 def test_follow_streams_until_end(cluster):
-    driver = rayjobs.DriverSpec(trainer="command", command=[
+    driver = rayjobs.DriverSpec.for_command([
         "python3", "-u", "-c", "import time\nfor i in range(3):\n print('tick', i); time.sleep(0.3)"])
     sid = cluster.submit(driver.entrypoint(), {}, submission_id=rayjobs.new_submission_id("follow"))
     chunks: list[str] = []
@@ -100,7 +100,7 @@ def test_follow_streams_until_end(cluster):
 
 
 def test_stop_cancels_running_job(cluster):
-    driver = rayjobs.DriverSpec(trainer="command", command=[
+    driver = rayjobs.DriverSpec.for_command([
         "python3", "-u", "-c", "import time; print('started', flush=True); time.sleep(300)"])
     sid = cluster.submit(driver.entrypoint(), {}, submission_id=rayjobs.new_submission_id("long"))
     deadline = time.monotonic() + 60
@@ -180,10 +180,12 @@ def test_address_and_driver_validation():
     assert rayjobs.normalize_address("head:8265/") == "http://head:8265"
     with pytest.raises(rayjobs.RayJobsError, match="ray://"):
         rayjobs.normalize_address("ray://head:10001")
-    assert rayjobs.DriverSpec(trainer="verl", overrides=["trainer.nnodes=2"]).argv() == [
+    assert rayjobs.DriverSpec.for_trainer("verl", ["trainer.nnodes=2"]).argv == [
         "python3", "-m", "verl.trainer.main_ppo", "trainer.nnodes=2"]
     with pytest.raises(rayjobs.RayJobsError, match="unknown trainer 'verll'"):
-        rayjobs.DriverSpec(trainer="verll").argv()
+        rayjobs.DriverSpec.for_trainer("verll")
+    assert rayjobs.DriverSpec.for_command(["bash", "-c", "echo $HOME; rm -rf /"]).entrypoint() == \
+        "bash -c 'echo $HOME; rm -rf /'"
     assert rayjobs.state_of("STOPPED") == "CANCELLED"
     with pytest.raises(rayjobs.RayJobsError, match="does not exist"):
         rayjobs.build_runtime_env(working_dir="no/such/dir")
@@ -195,7 +197,7 @@ def test_ops_submit_record_describe_cancel(head, tmp_path):
     from hpc_verl.launch import rayjobs_ops
 
     opts = rayjobs_ops.RayJobOptions.from_mapping({"env_vars": {"EXTRA": "1"}})
-    driver = rayjobs.DriverSpec(trainer="command", command=[
+    driver = rayjobs.DriverSpec.for_command([
         "python3", "-u", "-c",
         "import os, time; print('env', os.environ['NCCL_DEBUG'], os.environ['EXTRA'], flush=True);"
         " time.sleep(300)"])
@@ -221,7 +223,7 @@ def test_ops_submit_record_describe_cancel(head, tmp_path):
 def test_ops_describe_failed_job_and_follow_exit_code(head, capsys):
     from hpc_verl.launch import rayjobs_ops
 
-    driver = rayjobs.DriverSpec(trainer="command", command=[
+    driver = rayjobs.DriverSpec.for_command([
         "python3", "-c", "print('about to fail'); raise SystemExit(7)"])
     h, rec = rayjobs_ops.submit(address=head.address, driver=driver, name="fails",
                                 token_file=head.token_file)
@@ -238,7 +240,7 @@ def test_ops_dry_run_and_options_validation(tmp_path):
 
     (port,) = free_ports(1)  # nothing listens: a dry run must not connect
     h, rec = rayjobs_ops.submit(address=f"127.0.0.1:{port}", name="dry", dry_run=True,
-                                driver=rayjobs.DriverSpec(overrides=["trainer.total_epochs=1"]),
+                                driver=rayjobs.DriverSpec.for_trainer("builtin", ["trainer.total_epochs=1"]),
                                 job_dir=tmp_path)
     assert h is None
     saved = json.loads((tmp_path / "ray_job.json").read_text())

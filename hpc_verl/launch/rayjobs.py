@@ -123,7 +123,8 @@ def resolve_token(token_file: str | os.PathLike[str] | None = None,
         return RayToken(env["RAY_AUTH_TOKEN"].strip(), "$RAY_AUTH_TOKEN")
     if env.get("RAY_AUTH_TOKEN_PATH"):
         return _read_token_file(Path(env["RAY_AUTH_TOKEN_PATH"]).expanduser(), "$RAY_AUTH_TOKEN_PATH")
-    default = Path.home() / ".ray" / "auth_token"
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    default = home / ".ray" / "auth_token"
     if default.is_file():
         return _read_token_file(default, "~/.ray/auth_token")
     return None
@@ -403,28 +404,44 @@ VERL_TRAINER_MODULE = "verl.trainer.main_ppo"
 
 @dataclass
 class DriverSpec:
-    """What the driver process runs: the built-in trainer, upstream verl, or any command."""
+    """The driver process Ray runs: the built-in trainer, upstream verl, or any command."""
 
-    trainer: str = "builtin"  # builtin | verl | command
-    overrides: list[str] = field(default_factory=list)
-    command: list[str] | None = None
-    python: str = "python3"
+    argv: list[str]
 
-    def argv(self) -> list[str]:
-        if self.trainer == "command":
-            if not self.command:
-                raise RayJobsError("job config: trainer 'command' needs a non-empty 'command' "
-                                   "list (e.g. command: [python3, train.py])")
-            return [*self.command, *self.overrides]
-        module = {"builtin": BUILTIN_TRAINER_MODULE, "verl": VERL_TRAINER_MODULE}.get(self.trainer)
+    @classmethod
+    def for_module(cls, module: str, args: Sequence[str] = (), python: str = "python3") -> "DriverSpec":
+        return cls([python, "-m", module, *args])
+
+    @classmethod
+    def for_trainer(cls, trainer: str, overrides: Sequence[str] = (),
+                    python: str = "python3") -> "DriverSpec":
+        """``builtin`` (hpc_verl.trainer.main) or ``verl`` (verl.trainer.main_ppo)."""
+        module = {"builtin": BUILTIN_TRAINER_MODULE, "verl": VERL_TRAINER_MODULE}.get(trainer)
         if module is None:
-            raise RayJobsError(f"job config: unknown trainer '{self.trainer}'; use builtin, verl "
-                               "or command")
-        return [self.python, "-m", module, *self.overrides]
+            raise RayJobsError(f"unknown trainer '{trainer}'; use builtin or verl (or give a command)")
+        return cls.for_module(module, overrides, python)
+
+    @classmethod
+    def for_command(cls, command: Sequence[str], args: Sequence[str] = ()) -> "DriverSpec":
+        if not command or not all(isinstance(c, str) and c for c in command):
+            raise RayJobsError("the driver command must be a non-empty list of strings "
+                               "(e.g. [python3, train.py])")
+        return cls([*command, *args])
+
+    @property
+    def module(self) -> str | None:
+        """The ``-m`` module the driver runs, if any."""
+        if "-m" in self.argv[:-1]:
+            return self.argv[self.argv.index("-m") + 1]
+        return None
+
+    @property
+    def runs_hpc_verl(self) -> bool:
+        return (self.module or "").split(".")[0] == "hpc_verl"
 
     def entrypoint(self) -> str:
         """The shell line Ray runs; every piece quoted (Ray passes it to a shell)."""
-        return shlex.join(self.argv())
+        return shlex.join(self.argv)
 
 
 def build_runtime_env(env_vars: Mapping[str, Any] | None = None, *,

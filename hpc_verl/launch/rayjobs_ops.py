@@ -9,6 +9,7 @@ record's ``kind`` is ``rayjob``).
 """
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -27,6 +28,7 @@ KIND = "rayjob"
 class RayJobOptions:
     """The job config's ``ray_job:`` section: what the runtime_env carries besides the profile's env."""
 
+    command: list[str] | None = None  # replaces `python3 -m <trainer.module> <trainer.args>`
     working_dir: str | None = None
     pip: list[str] = field(default_factory=list)
     py_modules: list[str] = field(default_factory=list)
@@ -44,6 +46,10 @@ class RayJobOptions:
             if key not in valid:
                 raise ConfigError(unknown_key_message(key, where, valid))
         opts = cls(**data)
+        if opts.command is not None and (not isinstance(opts.command, list) or not opts.command
+                                         or not all(isinstance(c, str) and c for c in opts.command)):
+            raise ConfigError(f"{where}.command: expected a non-empty list of strings, got "
+                              f"{opts.command!r}; write command: [python3, train.py]")
         for key in ("pip", "py_modules", "excludes"):
             value = getattr(opts, key)
             if isinstance(value, str) or not isinstance(value, list):
@@ -57,7 +63,7 @@ class RayJobOptions:
 
     def ships_hpc_verl(self, driver: rayjobs.DriverSpec) -> bool:
         mode = str(self.ship_hpc_verl).lower()
-        return mode == "true" or (mode == "auto" and driver.trainer == "builtin")
+        return mode == "true" or (mode == "auto" and driver.runs_hpc_verl)
 
 
 def runtime_env_for(driver: rayjobs.DriverSpec, profile_env: Mapping[str, Any],
@@ -117,6 +123,73 @@ def submit(*, address: str, driver: rayjobs.DriverSpec, name: str,
                    entrypoint_num_cpus=options.entrypoint_num_cpus,
                    entrypoint_num_gpus=options.entrypoint_num_gpus)
     return rayjobs.RayJobHandle(address, submission_id, token_path, cluster), record
+
+
+# Values of the launcher's derived trainer overrides (render.derived_overrides spells
+# them as shell expressions for the sbatch script; a Ray job has no such shell).
+def _derived_values(profile: Any, job: Any, job_dir: Path | None) -> dict[str, str]:
+    values = {"HPCV_NODES": str(profile.slurm.nodes),
+              "HPCV_GPUS_PER_NODE": str(profile.slurm.gpus_per_node),
+              "HPCV_DATA_PATH": job.data.dir, "HPCV_TRAIN_FILE": job.data.train_file,
+              "HPCV_VAL_FILE": job.data.val_file}
+    if job.model.path:
+        values["HPCV_MODEL_PATH"] = job.model.path
+    if job_dir is not None:
+        values["HPCV_RUN_DIR"] = str(job_dir)
+    return values
+
+
+def derived_overrides(profile: Any, job: Any, job_dir: Path | None = None) -> tuple[list[str], list[str]]:
+    """The launcher's derived overrides with concrete values: (key=value list, keys left out)."""
+    from hpc_verl.launch.render import derived_overrides as launcher_derived
+
+    values = _derived_values(profile, job, job_dir)
+    out, skipped = [], []
+    for key, expr in launcher_derived(profile, job):
+        names = re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", expr)
+        if any(n not in values for n in names):
+            skipped.append(key)
+            continue
+        out.append(f"{key}=" + re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: values[m.group(1)], expr))
+    return out, skipped
+
+
+def profile_env(profile: Any) -> dict[str, str]:
+    """The profile's environment block, exactly as the sbatch script exports it."""
+    from hpc_verl.launch.render import env_block
+
+    return {name: value for name, value, _why in env_block(profile)}
+
+
+def driver_for(profile: Any, job: Any, job_dir: Path | None = None) -> tuple[rayjobs.DriverSpec, list[str]]:
+    """The driver for a job config: ``ray_job.command`` or ``<python> -m <trainer.module>``,
+    with the job's overrides and the launcher's derived ones; returns (driver, skipped keys)."""
+    options = RayJobOptions.from_mapping(job.ray_job, f"job config {job.source}: ray_job")
+    derived, skipped = derived_overrides(profile, job, job_dir)
+    args = [*job.trainer.args, *job.trainer_override_args(), *derived]
+    if options.command:
+        return rayjobs.DriverSpec.for_command(options.command, args), skipped
+    return rayjobs.DriverSpec.for_module(job.trainer.module, args, profile.ray.python), skipped
+
+
+def submit_job(profile: Any, job: Any, *, address: str, token_file: str | Path | None = None,
+               job_dir: str | Path | None = None, base_dir: str | Path | None = None,
+               dry_run: bool = False) -> tuple[rayjobs.RayJobHandle | None, dict[str, Any]]:
+    """Submit a (profile, job config) pair to the Ray cluster at ``address``.
+
+    The job config's directory anchors relative ``ray_job`` paths; the job
+    directory (if given) gets ``ray_job.json``, and checkpoints go to
+    ``JOB_DIR/checkpoints`` as in the sbatch path.
+    """
+    jd = Path(job_dir).resolve() if job_dir else None
+    driver, skipped = driver_for(profile, job, jd)
+    options = RayJobOptions.from_mapping(job.ray_job, f"job config {job.source}: ray_job")
+    if base_dir is None and job.source and Path(job.source).is_file():
+        base_dir = Path(job.source).resolve().parent
+    return submit(address=address, driver=driver, name=job.name, profile_env=profile_env(profile),
+                  options=options, token_file=token_file, base_dir=base_dir, job_dir=jd,
+                  profile_name=profile.name, dry_run=dry_run,
+                  extra_record={"skipped_overrides": skipped} if skipped else None)
 
 
 def handle(record: Mapping[str, Any]) -> rayjobs.RayJobHandle:
