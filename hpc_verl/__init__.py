@@ -11,7 +11,9 @@ from typing import Any
 from hpc_verl._version import __version__
 
 # public name -> module that defines it
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "submit": "hpc_verl.launch.submit",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -99,7 +99,7 @@ class NodeSupervisor:
     def _wait_head(self, deadline: float) -> dict[str, Any]:
         head_file = ray_dir(self.job_dir) / "head.json"
         head_state = ray_dir(self.job_dir) / "nodes" / f"{self.plan['head']}.json"
-        while time.monotonic() < deadline and not self.stopping:
+        while time.monotonic() < deadline and not self._stop_requested():
             head = read_json(head_file)
             if head:
                 return head
@@ -134,7 +134,9 @@ class NodeSupervisor:
         self.state(state="starting", started=time.time())
         try:
             return self._run(deadline)
-        except BootstrapError as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the barrier
+            if not isinstance(exc, BootstrapError):
+                exc = BootstrapError(f"node {self.node}: {type(exc).__name__}: {exc}")
             self.state(state="failed", error=str(exc), log_tail=log_tail(self.temp_dir))
             print(f"hpc_verl.bootstrap[{self.node}]: error: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -151,7 +153,7 @@ class NodeSupervisor:
         self.state(state="starting", ip=ip, ports=ports.to_dict())
         if fault == "hang":
             print(f"hpc_verl.bootstrap[{self.node}]: fault injected: not starting Ray", flush=True)
-            while not self.stopping:
+            while not self._stop_requested():
                 time.sleep(0.2)
             return 1
         cmd = self.ray_command(ip, ports, head)
@@ -181,7 +183,8 @@ class NodeSupervisor:
         self.state(state="running", raylet_pid=raylet, ray_pids=procs.descendants(os.getpid()))
         print(f"hpc_verl.bootstrap[{self.node}]: Ray {'head' if self.is_head else 'worker'} up at {ip} "
               f"(ports {ports.block_start}+, temp {self.temp_dir})", flush=True)
-        while not self.stopping:
+        stop_file = ray_dir(self.job_dir) / "stop"
+        while not self.stopping and not stop_file.exists():
             procs.reap()
             if raylet is None or not procs.alive(raylet):
                 raise BootstrapError(f"node {self.node}: raylet exited; see {self.temp_dir}/session_latest/logs")
@@ -200,6 +203,9 @@ class NodeSupervisor:
         except OSError:
             tail = []
         return f"node {self.node}: {what}; last output: {' | '.join(tail) or '(none)'} (log {log_path})"
+
+    def _stop_requested(self) -> bool:
+        return self.stopping or (ray_dir(self.job_dir) / "stop").exists()
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.stopping = True

@@ -80,7 +80,7 @@ def write_plan(job_dir: str, job_id: int, nodelist: str, *, gpus_per_node: int, 
         raise BootstrapError(f"empty node list {nodelist!r}; is SLURM_JOB_NODELIST set?")
     slots, per_host = node_slots(nodes)
     rdir = ray_dir(job_dir)
-    for stale in ("head.json", "env.sh", "nodes"):  # a requeued run starts clean
+    for stale in ("head.json", "env.sh", "nodes", "stop"):  # a requeued run starts clean
         p = rdir / stale
         if p.is_dir():
             shutil.rmtree(p)
@@ -114,8 +114,8 @@ def read_plan(job_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return plan
 
 
-def write_node_state(job_dir: str | os.PathLike[str], node: str, **state: Any) -> None:
-    path = ray_dir(job_dir) / "nodes" / f"{node}.json"
+def write_node_state(job_dir: str | os.PathLike[str], node_name: str, **state: Any) -> None:
+    path = ray_dir(job_dir) / "nodes" / f"{node_name}.json"
     old = read_json(path) or {}
     old.update(state, updated=time.time())
     atomic_write_json(path, old)

@@ -1,0 +1,30 @@
+"""``hpc-verl submit --profile NAME [--config JOB.yaml] [--set k=v] [key=value ...] [--dry-run]``."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("submit", help="render a job for a SLURM profile and sbatch it")
+    p.add_argument("--profile", required=True, help="profile name or path")
+    p.add_argument("--config", default=None, help="job config YAML")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="profile override, e.g. --set slurm.nodes=4")
+    p.add_argument("--name", default=None, help="job name (default: from the job config)")
+    p.add_argument("--dry-run", action="store_true", help="write the job directory, do not submit")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="trainer overrides")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hpc_verl.launch.submit import submit_job
+
+    rec = submit_job(args.profile, args.config, args.overrides, args.sets, args.name, args.dry_run)
+    if rec.job_id is None:
+        print(f"dry run: job directory {rec.job_dir}\nscript: {rec.script}\nsubmit with: sbatch {rec.script}")
+    else:
+        print(f"submitted job {rec.job_id} ({rec.name}, profile {rec.profile})")
+        print(f"job directory: {rec.job_dir}")
+        print(f"logs: {rec.log_dir}/batch.log and {rec.log_dir}/node-<node>.log")
+        print(f"follow: hpc-verl logs {rec.job_id} --follow")
+    return 0
