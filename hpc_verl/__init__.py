@@ -13,6 +13,7 @@ from hpc_verl._version import __version__
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
     "submit": "hpc_verl.launch.submit",
+    "RayJobHandle": "hpc_verl.launch.rayjobs",
 }
 
 

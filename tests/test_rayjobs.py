@@ -11,6 +11,7 @@ import http.server
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,38 +41,49 @@ ray.init()
 @ray.remote
 def square(x):
     return x * x
-print("NCCL_IB_HCA=" + os.environ["NCCL_IB_HCA"])
+print("ENV", os.environ["NCCL_IB_HCA"], os.environ["NCCL_SOCKET_IFNAME"], os.environ["EXTRA"])
 print("SQUARES", sum(ray.get([square.remote(i) for i in range(4)])))
 print("HPC_VERL_FROM", os.path.dirname(hpc_verl.__file__))
 print("ARGS", sys.argv[1:])
 """
 
 
-def test_submit_status_logs_success(cluster, head, tmp_path):
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "driver.py").write_text(DRIVER)
-    driver = rayjobs.DriverSpec.for_command(["python3", "driver.py"],
-                                            ["trainer.total_epochs=1", "x=a b"])
-    runtime_env = rayjobs.build_runtime_env(
-        {"NCCL_IB_HCA": "mlx5_0,mlx5_1", "TOKENIZERS_PARALLELISM": "false"},
-        working_dir=str(work), py_modules=[rayjobs.hpc_verl_package_dir()],
-        excludes=["__pycache__"])
-    sid = cluster.submit(driver.entrypoint(), runtime_env,
-                         submission_id=rayjobs.new_submission_id("ok job"))
-    assert sid.startswith("hpcverl-ok-job-")
-    assert cluster.state(sid) in {"PENDING", "RUNNING", "COMPLETED"}
-    handle = rayjobs.RayJobHandle(head.address, sid, str(head.token_file))  # fresh connection
+def test_python_api_submit_with_profile_and_job_config(head, tmp_path, monkeypatch):
+    """hpc_verl.submit(..., ray_address=...) -> handle; runtime_env from profile + job config."""
+    import hpc_verl
+    from hpc_verl.launch import registry
+
+    monkeypatch.setenv("HPC_VERL_HOME", str(tmp_path / "home"))
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "driver.py").write_text(DRIVER)
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "name: api-job\n"
+        "trainer:\n  module: driver\n  overrides: {trainer.total_epochs: 1}\n"
+        "ray_job:\n  working_dir: work\n  env_vars: {EXTRA: 'x y'}\n  ship_hpc_verl: true\n")
+    handle = hpc_verl.submit("ib-a100", str(config), ["algorithm.gamma=0.9"], ray_address=head.address,
+                             ray_token_file=str(head.token_file))
+    assert isinstance(handle, hpc_verl.RayJobHandle)
+    assert handle.state in {"PENDING", "RUNNING", "COMPLETED"}
     assert handle.wait(timeout_s=90) == "COMPLETED", handle.logs()
     logs = handle.logs()
-    assert "NCCL_IB_HCA=mlx5_0,mlx5_1" in logs
+    # the profile's NCCL block (launcher's env computation) and the job's own variable arrived
+    assert "ENV mlx5_0,mlx5_1,mlx5_2,mlx5_3 ib0 x y" in logs
     assert "SQUARES 14" in logs  # the driver joined the token-protected cluster
-    # hpc_verl reached the cluster through py_modules (the head has no PYTHONPATH to it)
-    assert "HPC_VERL_FROM" in logs and "/work/wt" not in logs.split("HPC_VERL_FROM")[1].split("\n")[0]
-    assert "ARGS ['trainer.total_epochs=1', 'x=a b']" in logs
-    # the token never travels in the job's visible runtime_env
-    info = cluster.info(sid)
-    assert head.token_file.read_text().strip() not in json.dumps(info.runtime_env or {})
+    # hpc_verl reached the cluster as a py_module (the head has no PYTHONPATH to this checkout)
+    shipped = logs.split("HPC_VERL_FROM ")[1].splitlines()[0]
+    assert "runtime_resources" in shipped, shipped
+    args = logs.split("ARGS ")[1].splitlines()[0]
+    # job overrides, command-line overrides, then the launcher's derived ones with concrete values
+    assert "'trainer.total_epochs=1', 'algorithm.gamma=0.9', 'trainer.nnodes=2', " \
+           "'trainer.n_gpus_per_node=8'" in args
+    rec = registry.find(handle.submission_id)
+    assert rec.scheduler == "rayjob" and rec.ray_address == head.address
+    assert rec.token_file == str(head.token_file)
+    # the token never travels in the job's visible runtime_env, nor in the job directory
+    token = head.token_file.read_text().strip()
+    assert token not in json.dumps(handle.cluster.info(handle.submission_id).runtime_env or {})
+    assert not any(token in p.read_text() for p in Path(rec.job_dir).rglob("*.json"))
 
 
 def test_failing_driver_reports_last_lines(cluster):
@@ -86,29 +98,6 @@ def test_failing_driver_reports_last_lines(cluster):
     assert "failed (exit code 3)" in first and f"hpc-verl logs {sid}" in first
     assert "line 39" in msg and "line 5\n" not in msg  # only the last lines
     assert handle.state == "FAILED"
-
-
-def test_follow_streams_until_end(cluster):
-    driver = rayjobs.DriverSpec.for_command([
-        "python3", "-u", "-c", "import time\nfor i in range(3):\n print('tick', i); time.sleep(0.3)"])
-    sid = cluster.submit(driver.entrypoint(), {}, submission_id=rayjobs.new_submission_id("follow"))
-    chunks: list[str] = []
-    state = cluster.follow(sid, chunks.append)
-    assert state == "COMPLETED"
-    text = "".join(chunks)
-    assert "tick 0" in text and "tick 2" in text
-
-
-def test_stop_cancels_running_job(cluster):
-    driver = rayjobs.DriverSpec.for_command([
-        "python3", "-u", "-c", "import time; print('started', flush=True); time.sleep(300)"])
-    sid = cluster.submit(driver.entrypoint(), {}, submission_id=rayjobs.new_submission_id("long"))
-    deadline = time.monotonic() + 60
-    while "started" not in cluster.logs(sid):
-        assert time.monotonic() < deadline, cluster.logs(sid)
-        time.sleep(0.3)
-    assert cluster.stop(sid) is True
-    assert cluster.wait(sid, timeout_s=60) == "CANCELLED"
 
 
 def test_unreachable_address_is_one_line():
@@ -193,47 +182,6 @@ def test_address_and_driver_validation():
 
 # --------------------------------------------------------------------------- registry-level glue
 
-def test_ops_submit_record_describe_cancel(head, tmp_path):
-    from hpc_verl.launch import rayjobs_ops
-
-    opts = rayjobs_ops.RayJobOptions.from_mapping({"env_vars": {"EXTRA": "1"}})
-    driver = rayjobs.DriverSpec.for_command([
-        "python3", "-u", "-c",
-        "import os, time; print('env', os.environ['NCCL_DEBUG'], os.environ['EXTRA'], flush=True);"
-        " time.sleep(300)"])
-    job_dir = tmp_path / "job"
-    h, rec = rayjobs_ops.submit(address=head.address, driver=driver, name="ops", options=opts,
-                                profile_env={"NCCL_DEBUG": "WARN"}, token_file=head.token_file,
-                                job_dir=job_dir, profile_name="local")
-    assert rec["kind"] == "rayjob" and rec["submission_id"] == h.submission_id == rec["id"]
-    assert rec["token_file"] == str(head.token_file) and "token" not in json.dumps(
-        json.loads((job_dir / "ray_job.json").read_text())["runtime_env"]).lower()
-    saved = json.loads((job_dir / "ray_job.json").read_text())
-    assert saved["runtime_env"]["env_vars"] == {"NCCL_DEBUG": "WARN", "EXTRA": "1"}
-    deadline = time.monotonic() + 60
-    while "env WARN 1" not in h.logs():
-        assert time.monotonic() < deadline, h.logs()
-        time.sleep(0.3)
-    assert rayjobs_ops.describe(rec)["state"] == "RUNNING"
-    assert "stop requested" in rayjobs_ops.cancel(rec)
-    assert h.wait(timeout_s=60, check=False) == "CANCELLED"
-    assert "already ended (CANCELLED)" in rayjobs_ops.cancel(rec)
-
-
-def test_ops_describe_failed_job_and_follow_exit_code(head, capsys):
-    from hpc_verl.launch import rayjobs_ops
-
-    driver = rayjobs.DriverSpec.for_command([
-        "python3", "-c", "print('about to fail'); raise SystemExit(7)"])
-    h, rec = rayjobs_ops.submit(address=head.address, driver=driver, name="fails",
-                                token_file=head.token_file)
-    assert rayjobs_ops.logs(rec, follow=True) == 1
-    assert "about to fail" in capsys.readouterr().out
-    d = rayjobs_ops.describe(rec)
-    assert d["state"] == "FAILED" and d["driver_exit_code"] == 7
-    assert "about to fail" in d["last_log_lines"]
-
-
 def test_ops_dry_run_and_options_validation(tmp_path):
     from hpc_verl.errors import ConfigError
     from hpc_verl.launch import rayjobs_ops
@@ -250,3 +198,86 @@ def test_ops_dry_run_and_options_validation(tmp_path):
         rayjobs_ops.RayJobOptions.from_mapping({"working_dri": "."})
     with pytest.raises(ConfigError, match="pip: expected a list"):
         rayjobs_ops.RayJobOptions.from_mapping({"pip": "numpy"})
+
+
+# --------------------------------------------------------------------------- the CLI, as a user runs it
+
+@pytest.fixture
+def cli_env(tmp_path):
+    """Own registry; HOME without ~/.ray/auth_token (another tool may have made one on this machine)."""
+    (tmp_path / "home").mkdir()
+    return {"HPC_VERL_HOME": str(tmp_path / "registry"), "HOME": str(tmp_path / "home")}
+
+
+def _submit(cli, head, env, tmp_path, name, code, *extra):
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(json.dumps({"name": name, "trainer": {"module": "x", "derive_overrides": False},
+                                  "ray_job": {"command": ["python3", "-u", "-c", code]}}))
+    res = cli("submit", "--ray-address", head.address, "--ray-token-file", str(head.token_file),
+              "--config", str(config), *extra, env=env)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.split("submitted Ray job ")[1].split()[0]
+
+
+def test_cli_submit_status_logs_list_success(cli, head, cli_env, tmp_path):
+    sid = _submit(cli, head, cli_env, tmp_path, "cli-ok",
+                  "import sys; print('hello from the driver', sys.argv[1:])", "trainer.total_epochs=3")
+    res = cli("logs", sid, "--follow", env=cli_env)  # streams until the end; 0 = succeeded
+    assert res.returncode == 0, res.stderr
+    assert "hello from the driver ['trainer.total_epochs=3']" in res.stdout
+    res = cli("status", sid, "--json", env=cli_env)
+    assert res.returncode == 0, res.stderr
+    st = json.loads(res.stdout)
+    assert st["state"] == "COMPLETED" and st["kind"] == "rayjob" and st["ray_address"] == head.address
+    res = cli("logs", sid, env=cli_env)
+    assert "hello from the driver" in res.stdout
+    res = cli("list", env=cli_env)
+    assert res.returncode == 0 and sid[:20] in res.stdout and "COMPLETED" in res.stdout
+
+
+def test_cli_failed_job_shows_last_lines(cli, head, cli_env, tmp_path):
+    sid = _submit(cli, head, cli_env, tmp_path, "cli-bad",
+                  "[print('step', i) for i in range(30)]; raise SystemExit(5)")
+    res = cli("logs", sid, "--follow", env=cli_env)
+    assert res.returncode == 1 and "step 29" in res.stdout
+    assert f"job {sid} FAILED" in res.stderr
+    res = cli("status", sid, env=cli_env)
+    assert res.returncode == 0
+    assert "FAILED" in res.stdout and "step 29" in res.stdout and "driver_exit_code 5" in res.stdout
+
+
+def test_cli_cancel(cli, head, cli_env, tmp_path):
+    sid = _submit(cli, head, cli_env, tmp_path, "cli-long", "import time; print('started'); time.sleep(300)")
+    handle = rayjobs.RayJobHandle(head.address, sid, str(head.token_file))
+    deadline = time.monotonic() + 60
+    while "started" not in handle.logs():
+        assert time.monotonic() < deadline, handle.logs()
+        time.sleep(0.3)
+    res = cli("cancel", sid, env=cli_env)
+    assert res.returncode == 0 and "stop requested" in res.stdout, res.stderr
+    assert handle.wait(timeout_s=60, check=False) == "CANCELLED"
+    res = cli("status", sid, "--json", env=cli_env)
+    assert json.loads(res.stdout)["state"] == "CANCELLED"
+
+
+def _one_line_exit_2(res):
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    return lines[0]
+
+
+def test_cli_wrong_token_and_unreachable_are_one_line(cli, head, cli_env, tmp_path):
+    bad = tmp_path / "bad.token"
+    bad.write_text("0" * 64)
+    line = _one_line_exit_2(cli("submit", "--ray-address", head.address, "--ray-token-file", str(bad),
+                                env=cli_env))
+    assert "rejected the auth token" in line and str(bad) in line and "--ray-token-file" in line
+    line = _one_line_exit_2(cli("submit", "--ray-address", head.address, env=cli_env))
+    assert "requires an auth token and none was sent" in line
+    (port,) = free_ports(1)
+    line = _one_line_exit_2(cli("submit", "--ray-address", f"http://127.0.0.1:{port}",
+                                "--ray-token-file", str(head.token_file), env=cli_env))
+    assert "cannot reach the Ray Jobs API" in line and str(port) in line
+    # failed submissions leave nothing in the registry
+    assert not list((tmp_path / "registry").glob("jobs/*"))

@@ -16,7 +16,7 @@ from hpc_verl._version import __version__
 from hpc_verl.errors import HpcVerlError
 
 # Add a verb by adding its module name here (module hpc_verl.cli.<name>).
-VERB_MODULES: tuple[str, ...] = ("profiles", "render", "validate", "submit", "jobs")
+VERB_MODULES: tuple[str, ...] = ("profiles", "render", "validate", "submit", "jobs", "cluster")
 
 
 class OneLineParser(argparse.ArgumentParser):

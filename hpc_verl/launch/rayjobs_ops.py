@@ -10,7 +10,9 @@ record's ``kind`` is ``rayjob``).
 from __future__ import annotations
 
 import re
+import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -128,10 +130,11 @@ def submit(*, address: str, driver: rayjobs.DriverSpec, name: str,
 # Values of the launcher's derived trainer overrides (render.derived_overrides spells
 # them as shell expressions for the sbatch script; a Ray job has no such shell).
 def _derived_values(profile: Any, job: Any, job_dir: Path | None) -> dict[str, str]:
-    values = {"HPCV_NODES": str(profile.slurm.nodes),
-              "HPCV_GPUS_PER_NODE": str(profile.slurm.gpus_per_node),
-              "HPCV_DATA_PATH": job.data.dir, "HPCV_TRAIN_FILE": job.data.train_file,
+    values = {"HPCV_DATA_PATH": job.data.dir, "HPCV_TRAIN_FILE": job.data.train_file,
               "HPCV_VAL_FILE": job.data.val_file}
+    if profile is not None:  # without a profile, the cluster's size is the trainer config's business
+        values.update({"HPCV_NODES": str(profile.slurm.nodes),
+                       "HPCV_GPUS_PER_NODE": str(profile.slurm.gpus_per_node)})
     if job.model.path:
         values["HPCV_MODEL_PATH"] = job.model.path
     if job_dir is not None:
@@ -142,10 +145,11 @@ def _derived_values(profile: Any, job: Any, job_dir: Path | None) -> dict[str, s
 def derived_overrides(profile: Any, job: Any, job_dir: Path | None = None) -> tuple[list[str], list[str]]:
     """The launcher's derived overrides with concrete values: (key=value list, keys left out)."""
     from hpc_verl.launch.render import derived_overrides as launcher_derived
+    from hpc_verl.profiles import Profile
 
     values = _derived_values(profile, job, job_dir)
     out, skipped = [], []
-    for key, expr in launcher_derived(profile, job):
+    for key, expr in launcher_derived(profile if profile is not None else Profile(), job):
         names = re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", expr)
         if any(n not in values for n in names):
             skipped.append(key)
@@ -169,12 +173,13 @@ def driver_for(profile: Any, job: Any, job_dir: Path | None = None) -> tuple[ray
     args = [*job.trainer.args, *job.trainer_override_args(), *derived]
     if options.command:
         return rayjobs.DriverSpec.for_command(options.command, args), skipped
-    return rayjobs.DriverSpec.for_module(job.trainer.module, args, profile.ray.python), skipped
+    python = profile.ray.python if profile is not None else "python3"
+    return rayjobs.DriverSpec.for_module(job.trainer.module, args, python), skipped
 
 
 def submit_job(profile: Any, job: Any, *, address: str, token_file: str | Path | None = None,
                job_dir: str | Path | None = None, base_dir: str | Path | None = None,
-               dry_run: bool = False) -> tuple[rayjobs.RayJobHandle | None, dict[str, Any]]:
+               dry_run: bool = False, name: str | None = None) -> tuple[rayjobs.RayJobHandle | None, dict[str, Any]]:
     """Submit a (profile, job config) pair to the Ray cluster at ``address``.
 
     The job config's directory anchors relative ``ray_job`` paths; the job
@@ -186,29 +191,46 @@ def submit_job(profile: Any, job: Any, *, address: str, token_file: str | Path |
     options = RayJobOptions.from_mapping(job.ray_job, f"job config {job.source}: ray_job")
     if base_dir is None and job.source and Path(job.source).is_file():
         base_dir = Path(job.source).resolve().parent
-    return submit(address=address, driver=driver, name=job.name, profile_env=profile_env(profile),
+    return submit(address=address, driver=driver, name=name or job.name,
+                  profile_env=profile_env(profile) if profile is not None else {},
                   options=options, token_file=token_file, base_dir=base_dir, job_dir=jd,
-                  profile_name=profile.name, dry_run=dry_run,
+                  profile_name=profile.name if profile is not None else None, dry_run=dry_run,
                   extra_record={"skipped_overrides": skipped} if skipped else None)
 
 
-def handle(record: Mapping[str, Any]) -> rayjobs.RayJobHandle:
+def _get(record: Any, key: str) -> Any:
+    """Registry records are JobRecord objects; plain dicts (from ``submit``) work too."""
+    if isinstance(record, Mapping):
+        return record.get(key)
+    return getattr(record, key, None)
+
+
+def _ref(record: Any) -> str:
+    return str(_get(record, "submission_id") or _get(record, "id"))
+
+
+def handle(record: Any) -> rayjobs.RayJobHandle:
     """A handle for a registry record (reconnects; re-reads the token file)."""
-    return rayjobs.RayJobHandle(record["address"], record["submission_id"], record.get("token_file"))
+    address = _get(record, "ray_address") or _get(record, "address")
+    return rayjobs.RayJobHandle(address, _get(record, "submission_id"), _get(record, "token_file"))
 
 
-def describe(record: Mapping[str, Any], failed_lines: int = rayjobs.FAILED_LOG_LINES) -> dict[str, Any]:
+def describe(record: Any, failed_lines: int = rayjobs.FAILED_LOG_LINES) -> dict[str, Any]:
     """State and details for ``hpc-verl status``; a failed job carries its last log lines."""
     h = handle(record)
     info = h.cluster.info(h.submission_id)
     state = rayjobs.state_of(info.status)
     out: dict[str, Any] = {
-        "id": record["id"], "kind": KIND, "state": state, "ray_status": str(getattr(info.status, "value", info.status)),
-        "address": record["address"], "submission_id": record["submission_id"],
+        "job_id": h.submission_id, "name": _get(record, "name"), "profile": _get(record, "profile"),
+        "kind": KIND, "state": state,
+        "ray_status": str(getattr(info.status, "value", info.status)),
+        "ray_address": h.address, "submission_id": h.submission_id,
         "message": (info.message or "").splitlines()[0] if info.message else "",
         "start_time": _ms_to_iso(getattr(info, "start_time", None)),
         "end_time": _ms_to_iso(getattr(info, "end_time", None)),
         "driver_exit_code": getattr(info, "driver_exit_code", None),
+        "entrypoint": info.entrypoint, "job_dir": _get(record, "job_dir"),
+        "token_file": _get(record, "token_file"),
     }
     if state == "FAILED":
         out["last_log_lines"] = rayjobs.last_lines(h.logs(), failed_lines)
@@ -221,12 +243,22 @@ def _ms_to_iso(ms: Any) -> str | None:
     return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def state(record: Mapping[str, Any]) -> str:
+def state(record: Any) -> str:
     """Just the state word (for ``hpc-verl list``)."""
     return handle(record).state
 
 
-def logs(record: Mapping[str, Any], follow: bool = False, out: TextIO | None = None) -> int:
+def list_state(record: Any) -> str:
+    """For a table row: the state, or why it is unknown (one dead cluster must not break `list`)."""
+    try:
+        return state(record)
+    except rayjobs.RayUnreachableError:
+        return "UNKNOWN (cluster unreachable)"
+    except rayjobs.RayJobsError as exc:
+        return f"UNKNOWN ({type(exc).__name__})"
+
+
+def logs(record: Any, follow: bool = False, out: TextIO | None = None) -> int:
     """Print the driver's log; with ``follow`` stream until the end.
 
     Returns 0, or 1 when a followed job ended FAILED/CANCELLED (so scripts can
@@ -240,19 +272,67 @@ def logs(record: Mapping[str, Any], follow: bool = False, out: TextIO | None = N
         return 0
     final = h.follow(stream)
     if final == "FAILED":
-        print(f"hpc-verl: job {record['id']} FAILED (see the lines above)", file=sys.stderr)
+        print(f"hpc-verl: job {_ref(record)} FAILED (see the lines above)", file=sys.stderr)
         return 1
     if final == "CANCELLED":
-        print(f"hpc-verl: job {record['id']} was cancelled", file=sys.stderr)
+        print(f"hpc-verl: job {_ref(record)} was cancelled", file=sys.stderr)
         return 1
     return 0
 
 
-def cancel(record: Mapping[str, Any]) -> str:
+def cancel(record: Any) -> str:
     """Stop the driver; returns a one-line outcome."""
     h = handle(record)
-    if h.state in rayjobs.TERMINAL_STATES:
-        return f"job {record['id']} already ended ({h.state})"
+    current = h.state
+    if current in rayjobs.TERMINAL_STATES:
+        return f"job {_ref(record)} already ended ({current})"
     h.stop()
-    return f"job {record['id']}: stop requested on {record['address']}"
+    return f"job {_ref(record)}: stop requested on {h.address}"
 
+
+# --------------------------------------------------------------------------- registry
+
+
+def submit_to_registry(profile_name: str | None, config: str | None = None,
+                       overrides: Sequence[str] = (), sets: Sequence[str] = (),
+                       name: str | None = None, *, ray_address: str,
+                       token_file: str | Path | None = None, dry_run: bool = False,
+                       cluster_nodes: str | None = None) -> tuple[rayjobs.RayJobHandle | None, Any]:
+    """``hpc-verl submit --ray-address``: job directory + Ray submission + registry record.
+
+    Without a profile, no environment block is sent (the cluster's own
+    environment applies) and node/GPU counts are left to the trainer's config.
+    """
+    from hpc_verl.launch import registry
+    from hpc_verl.launch.jobconfig import load_job_config
+
+    profile = None
+    if profile_name:
+        from hpc_verl.profiles import load_profile
+
+        profile = load_profile(profile_name, list(sets))
+    elif sets:
+        raise ConfigError("--set changes a profile; give --profile NAME too")
+    job = load_job_config(config, list(overrides))
+    job_name = name or job.name
+    job_dir = registry.new_job_dir(job_name)
+    if profile is not None:
+        atomic_write_json(job_dir / "profile.json", profile.to_dict())
+    atomic_write_json(job_dir / "job_config.json", job.to_dict())
+    rec = registry.JobRecord(name=job_name, job_dir=str(job_dir), profile=profile.name if profile else "-",
+                             scheduler=KIND, log_dir=str(job_dir / "logs"),
+                             ray_address=rayjobs.normalize_address(ray_address),
+                             token_file=str(Path(token_file).expanduser().resolve()) if token_file else None,
+                             dry_run=True)
+    try:
+        h, info = submit_job(profile, job, address=ray_address, token_file=token_file, job_dir=job_dir,
+                             dry_run=dry_run, name=job_name)
+    except BaseException:
+        shutil.rmtree(job_dir, ignore_errors=True)  # nothing was submitted: leave no half record
+        raise
+    rec.submission_id = info["submission_id"]
+    if h is not None:
+        rec.dry_run = False
+        rec.submitted = time.time()
+    rec.save()
+    return h, rec

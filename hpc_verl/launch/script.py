@@ -34,13 +34,17 @@ def environment():
 
 def render_minimal(profile: Any, *, job_dir: str, submit_dir: str, job_name: str,
                    train_command: list[str], pre_stages: list[dict[str, Any]] | None = None,
-                   env: dict[str, str] | None = None) -> str:
-    """The minimal batch script: preemption, pre-stages with markers, Ray, trainer."""
+                   env: dict[str, str] | None = None, hold: bool = False) -> str:
+    """The minimal batch script: preemption, pre-stages with markers, Ray, trainer.
+
+    ``hold``: instead of the trainer, keep the Ray cluster up for Ray Jobs
+    submissions (``hpc-verl cluster up``; partials/hold.sh.j2)."""
     import jinja2
 
     try:
         return environment().get_template("slurm_minimal.sbatch.j2").render(
             profile=profile, job_dir=job_dir, submit_dir=submit_dir, job_name=job_name,
-            train_command=train_command, pre_stages=pre_stages or [], env=env or {}, version=__version__)
+            train_command=train_command, pre_stages=pre_stages or [], env=env or {}, version=__version__,
+            hold=hold)
     except jinja2.TemplateError as exc:
         raise RenderError(f"rendering the SLURM script for profile {profile.name}: {exc}") from None

@@ -74,8 +74,10 @@ def _train_command(job: Any) -> list[str]:
 
 
 def prepare(profile_name: str, config: str | None = None, overrides: Sequence[str] = (),
-            sets: Sequence[str] = (), name: str | None = None) -> registry.JobRecord:
-    """Everything but the submission: job dir, rendered script, resolved profile and config."""
+            sets: Sequence[str] = (), name: str | None = None, hold: bool = False) -> registry.JobRecord:
+    """Everything but the submission: job dir, rendered script, resolved profile and config.
+
+    ``hold``: a cluster job (``hpc-verl cluster up``) that keeps Ray up instead of training."""
     from hpc_verl.launch.script import render_minimal
 
     profile = _load_profile(profile_name, sets)
@@ -86,7 +88,7 @@ def prepare(profile_name: str, config: str | None = None, overrides: Sequence[st
     job_name = name or job.name
     job_dir = registry.new_job_dir(job_name)
     script = render_minimal(profile, job_dir=str(job_dir), submit_dir=os.getcwd(), job_name=job_name,
-                            train_command=_train_command(job))
+                            train_command=_train_command(job), hold=hold)
     script_path = job_dir / "script.sbatch"
     atomic_write_text(script_path, script, mode=0o700)
     atomic_write_json(job_dir / "profile.json", profile.to_dict())
@@ -99,9 +101,13 @@ def prepare(profile_name: str, config: str | None = None, overrides: Sequence[st
 
 
 def submit_job(profile_name: str, config: str | None = None, overrides: Sequence[str] = (),
-               sets: Sequence[str] = (), name: str | None = None, dry_run: bool = False) -> registry.JobRecord:
+               sets: Sequence[str] = (), name: str | None = None, dry_run: bool = False,
+               hold: bool = False) -> registry.JobRecord:
     """Prepare, then ``sbatch --parsable`` (unless ``dry_run``) and record the job id."""
-    rec = prepare(profile_name, config, overrides, sets, name)
+    rec = prepare(profile_name, config, overrides, sets, name, hold=hold)
+    if hold:
+        rec.role = "cluster"
+        rec.save()
     if dry_run:
         return rec
     rec.job_id = slurm.sbatch(rec.script, extra_args=[f"--chdir={rec.job_dir}"])
@@ -127,9 +133,22 @@ def run_batch_script(script: str) -> dict[str, Any]:
     return {"exit_code": proc.returncode, "ray_address": head.get("address"), "result": result}
 
 
-def submit(profile: str, config: str | None = None, overrides: Sequence[str] = (), sets: Sequence[str] = (),
-           name: str | None = None) -> Any:
-    """Submit through submitit; returns a ``submitit.Job`` (state, result(), stdout(), cancel())."""
+def submit(profile: str | None = None, config: str | None = None, overrides: Sequence[str] = (),
+           sets: Sequence[str] = (), name: str | None = None, *, ray_address: str | None = None,
+           ray_token_file: str | None = None) -> Any:
+    """Submit through submitit; returns a ``submitit.Job`` (state, result(), stdout(), cancel()).
+
+    With ``ray_address`` the job goes to that running Ray cluster through the Jobs
+    API instead, and the return value is a ``RayJobHandle`` (state, logs(), wait(), stop()).
+    """
+    if ray_address:
+        from hpc_verl.launch import rayjobs_ops
+
+        handle, _rec = rayjobs_ops.submit_to_registry(profile, config, overrides, sets, name,
+                                                      ray_address=ray_address, token_file=ray_token_file)
+        return handle
+    if not profile:
+        raise ConfigError("submit() needs a profile name (or ray_address=... for a running Ray cluster)")
     import submitit
 
     rec = prepare(profile, config, overrides, sets, name)
