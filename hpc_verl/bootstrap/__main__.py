@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--job-id", type=int, default=int(os.environ.get("SLURM_JOB_ID", "0") or 0))
     plan.add_argument("--nodelist", default=os.environ.get("SLURM_JOB_NODELIST", ""))
     plan.add_argument("--gpus-per-node", type=int, default=0)
+    plan.add_argument("--node-hosts", default="", help="'node1=hostA,node2=hostA' (from scontrol on the host)")
     plan.add_argument("--num-cpus", type=int, default=None)
     plan.add_argument("--port-base", type=int, default=20000)
     plan.add_argument("--port-stride", type=int, default=100)
@@ -89,7 +90,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                           port_slots=args.port_slots, interface=args.interface,
                           allow_loopback=args.allow_loopback, temp_dir_root=args.temp_dir_root,
                           dashboard=args.dashboard, dashboard_host=args.dashboard_host,
-                          timeout_s=args.timeout_s, python=args.python)
+                          timeout_s=args.timeout_s, python=args.python, node_hosts=args.node_hosts)
         workers = [n for n in plan["nodes"] if n != plan["head"]]
         print(f"HPCV_RAY_HEAD={shlex.quote(plan['head'])}")
         print(f"HPCV_RAY_WORKERS={shlex.quote(','.join(workers))}")

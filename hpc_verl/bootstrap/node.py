@@ -82,13 +82,16 @@ class NodeSupervisor:
         self.temp_dir = node_temp_dir(self.plan, self.node)
         self.stopping = False
         self.env = {**os.environ, **ray_env(job_dir), "HPC_VERL_RAY_NODE": self.node}
+        # a loaded node starts Ray's agents slowly; the readiness barrier bounds the wait instead
+        self.env.setdefault("RAY_agent_register_timeout_ms", "120000")
         # ray start would otherwise pick up ~/.ray/auth_token of whoever runs it
         self.env.pop("RAY_AUTH_TOKEN", None)
         self.env.pop("RAY_ADDRESS", None)
 
     def state(self, **kw: Any) -> None:
         write_node_state(self.job_dir, self.node, node=self.node, role="head" if self.is_head else "worker",
-                         supervisor_pid=os.getpid(), temp_dir=self.temp_dir, **kw)
+                         supervisor_pid=os.getpid(), temp_dir=self.temp_dir,
+                         in_container=os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv"), **kw)
 
     def _num_gpus(self) -> int:
         env_gpus = os.environ.get("SLURM_GPUS_ON_NODE")

@@ -45,14 +45,26 @@ def ray_env(job_dir: str | os.PathLike[str]) -> dict[str, str]:
             "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def node_slots(nodes: list[str]) -> tuple[dict[str, int], int]:
+def parse_node_hosts(text: str) -> dict[str, str]:
+    """``"node1=vm,node2=vm"`` -> {node: host}; empty entries ignored."""
+    out = {}
+    for item in text.split(","):
+        node, sep, host = item.strip().partition("=")
+        if sep and node and host:
+            out[node] = host
+    return out
+
+
+def node_slots(nodes: list[str], known_hosts: dict[str, str] | None = None) -> tuple[dict[str, int], int]:
     """Node -> sub-slot among this job's nodes on the same host, and the max per host.
 
     On a real cluster every node is its own host (all slots 0, one per host); on
     the test bed two SLURM nodes share one machine and need distinct ports.
     """
     hosts: dict[str, str] = {n: n for n in nodes}
-    if shutil.which("scontrol"):
+    if known_hosts:
+        hosts.update({n: h for n, h in known_hosts.items() if n in hosts})
+    elif shutil.which("scontrol"):
         try:
             out = subprocess.run(["scontrol", "show", "node", "-o", ",".join(nodes)],
                                  capture_output=True, text=True, timeout=20).stdout
@@ -73,12 +85,12 @@ def node_slots(nodes: list[str]) -> tuple[dict[str, int], int]:
 def write_plan(job_dir: str, job_id: int, nodelist: str, *, gpus_per_node: int, num_cpus: int | None,
                port_base: int, port_stride: int, port_slots: int, interface: str | None,
                allow_loopback: bool, temp_dir_root: str, dashboard: bool, dashboard_host: str,
-               timeout_s: float, python: str) -> dict[str, Any]:
+               timeout_s: float, python: str, node_hosts: str = "") -> dict[str, Any]:
     """Expand the node list, create the token and write ``plan.json``; returns the plan."""
     nodes = job_hostnames(nodelist)
     if not nodes:
         raise BootstrapError(f"empty node list {nodelist!r}; is SLURM_JOB_NODELIST set?")
-    slots, per_host = node_slots(nodes)
+    slots, per_host = node_slots(nodes, parse_node_hosts(node_hosts))
     rdir = ray_dir(job_dir)
     for stale in ("head.json", "env.sh", "nodes", "stop"):  # a requeued run starts clean
         p = rdir / stale

@@ -28,8 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--step-s", type=float, default=0.2)
     p.add_argument("--job-dir", default=os.environ.get("HPCV_JOB_DIR", "."))
+    p.add_argument("--prepare", action="store_true", help="the 'preprocess' stage: note a run, exit")
     args = p.parse_args(argv)
     job_dir = Path(args.job_dir)
+    if args.prepare:
+        with open(job_dir / "prepared.txt", "a") as fh:
+            fh.write(f"prepared in run {os.environ.get('SLURM_RESTART_COUNT', '0')}\n")
+        return 0
     stop = {"asked": False}
     signal.signal(signal.SIGUSR2, lambda *_: stop.__setitem__("asked", True))
 

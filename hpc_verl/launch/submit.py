@@ -34,11 +34,18 @@ class _Trainer:
 
 
 @dataclasses.dataclass
+class _Data:
+    preprocess_module: str | None = None
+    preprocess_args: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class _MiniJob:
     """Stand-in for the launcher's JobConfig until it lands: name + trainer module/args."""
 
     name: str = "hpcv"
     trainer: _Trainer = dataclasses.field(default_factory=_Trainer)
+    data: _Data = dataclasses.field(default_factory=_Data)
 
     def trainer_override_args(self) -> list[str]:
         return [f"{k}={v}" for k, v in self.trainer.overrides.items()]
@@ -60,7 +67,8 @@ def _job_config(config: str | None, overrides: Sequence[str]) -> Any:
     tr = data.get("trainer", {}) or {}
     job = _MiniJob(name=data.get("name", "hpcv"), trainer=_Trainer(tr.get("module", _Trainer.module),
                                                                      list(tr.get("args", [])),
-                                                                     dict(tr.get("overrides", {}))))
+                                                                     dict(tr.get("overrides", {}))),
+                   data=_Data(**(data.get("data") or {})))
     for o in overrides:
         if "=" not in o:
             raise ConfigError(f"override {o!r}: expected key=value, e.g. trainer.total_epochs=2")
@@ -71,6 +79,15 @@ def _job_config(config: str | None, overrides: Sequence[str]) -> Any:
 
 def _train_command(job: Any) -> list[str]:
     return ["-m", job.trainer.module, *job.trainer.args, *job.trainer_override_args()]
+
+
+def _pre_stages(job: Any) -> list[dict[str, Any]]:
+    """Stages before Ray, each skipped by a requeued run once its marker exists."""
+    data = getattr(job, "data", None)
+    module = getattr(data, "preprocess_module", None) if data is not None else None
+    if not module or (hasattr(data, "raw") and not data.raw and module == "hpc_verl.data.preprocess"):
+        return []  # nothing to preprocess (the launcher's default job has no raw data)
+    return [{"name": "preprocess", "command": ["hpcv_tool", "-m", module, *data.preprocess_args]}]
 
 
 def prepare(profile_name: str, config: str | None = None, overrides: Sequence[str] = (),
@@ -88,7 +105,8 @@ def prepare(profile_name: str, config: str | None = None, overrides: Sequence[st
     job_name = name or job.name
     job_dir = registry.new_job_dir(job_name)
     script = render_minimal(profile, job_dir=str(job_dir), submit_dir=os.getcwd(), job_name=job_name,
-                            train_command=_train_command(job), hold=hold)
+                            train_command=_train_command(job), pre_stages=[] if hold else _pre_stages(job),
+                            env=dict(profile.env.vars), hold=hold)
     script_path = job_dir / "script.sbatch"
     atomic_write_text(script_path, script, mode=0o700)
     atomic_write_json(job_dir / "profile.json", profile.to_dict())
