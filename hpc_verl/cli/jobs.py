@@ -104,6 +104,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if rec.scheduler == "rayjob" and not rec.dry_run:
         from hpc_verl.launch import rayjobs_ops
 
+        if args.node:
+            raise JobNotFoundError(f"job {args.job} is a Ray job: it has one driver log, no per-node logs; "
+                                   "drop --node (node logs are in the cluster job's logs)")
         return rayjobs_ops.logs(rec, follow=args.follow)
     log = Path(rec.log_dir) / (f"node-{args.node}.log" if args.node else "batch.log")
     if args.node and not log.exists():
