@@ -73,7 +73,8 @@ def status_dict(rec) -> dict:
             "source": getattr(info, "source", None), "reason": getattr(info, "reason", ""),
             "exit_code": getattr(info, "exit_code", ""), "restarts": getattr(info, "restarts", 0),
             "slurm_nodes": getattr(info, "nodes", ""), "nodes": rec.nodes, "ray_address": head.get("address"),
-            "ports": rec.ports, "stages_done": stages, "job_dir": rec.job_dir, "log_dir": rec.log_dir}
+            "ports": rec.ports, "stages_done": stages, "job_dir": rec.job_dir, "log_dir": rec.log_dir,
+            **({"jobs_address": rec.ray_address, "token_file": rec.token_file} if rec.role == "cluster" else {})}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
