@@ -70,6 +70,10 @@ class RayHead:
             _kill(pid, signal.SIGKILL)
         shutil.rmtree(self.root, ignore_errors=True)
 
+    def leftovers(self) -> list[int]:
+        """Pids of this head still alive after stop() (should be none)."""
+        return _our_processes(self.proc.pid, self.tag)
+
 
 def _kill(pid: int, sig: int) -> None:
     try:
@@ -97,8 +101,22 @@ def _our_processes(sid: int, tag: str) -> list[int]:
     return found
 
 
-def start_ray_head(token_auth: bool = True, num_cpus: int = 2, timeout_s: float = 90) -> RayHead:
-    """``ray start --head --block`` on free ports with its own temp dir (and a token)."""
+def start_ray_head(token_auth: bool = True, num_cpus: int = 2, timeout_s: float = 90,
+                   attempts: int = 2) -> RayHead:
+    """``ray start --head --block`` on free ports with its own temp dir (and a token).
+
+    A port picked as free can be taken by someone else before Ray binds it: one retry
+    with fresh ports."""
+    for attempt in range(attempts):
+        try:
+            return _start_once(token_auth, num_cpus, timeout_s)
+        except RuntimeError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_once(token_auth: bool, num_cpus: int, timeout_s: float) -> RayHead:
     root = Path(tempfile.mkdtemp(prefix="hvray"))  # short: Ray's unix socket paths have a limit
     (root / "cwd").mkdir()
     token_file = root / "token"

@@ -26,6 +26,8 @@ def head():
         yield h
     finally:
         h.stop()
+    time.sleep(0.5)
+    assert not h.leftovers(), f"Ray head processes left behind: {h.leftovers()}"
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,8 @@ from hpc_verl.errors import SubmitError
 RAY_MIN_VERSION = "2.40"
 """verl's requirement (seed 003, 2.2): older clusters have a different Jobs API."""
 
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_CONNECT_TIMEOUT_S = 20.0
+"""Bound on the first request (a black-holed address would otherwise hang: Ray sets none)."""
 FAILED_LOG_LINES = 20
 """How many last log lines a 'job failed' error shows."""
 
