@@ -14,6 +14,14 @@ from hpc_verl._version import __version__
 _LAZY: dict[str, str] = {
     "submit": "hpc_verl.launch.submit",
     "RayJobHandle": "hpc_verl.launch.rayjobs",
+    "load_profile": "hpc_verl.profiles",
+    "list_profiles": "hpc_verl.profiles",
+    "Profile": "hpc_verl.profiles",
+    "build_plan": "hpc_verl.launch.plan",
+    "LaunchPlan": "hpc_verl.launch.plan",
+    "render_sbatch": "hpc_verl.launch.render",
+    "load_job_config": "hpc_verl.launch.jobconfig",
+    "JobConfig": "hpc_verl.launch.jobconfig",
 }
 
 

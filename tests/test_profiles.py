@@ -98,6 +98,15 @@ def test_overrides_are_typed_and_recorded(sandbox):
     assert p.where("ray.python") == "default"
 
 
+def test_extends_relative_path_is_relative_to_the_child(sandbox, tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    write(site, "base", "extends: ib-a100\nslurm:\n  account: base-acct\n")
+    child = write(site, "child", "extends: ./base.yaml\nslurm:\n  qos: high\n")
+    p = load_profile(str(child))
+    assert (p.slurm.account, p.slurm.qos, p.slurm.gpus_per_node) == ("base-acct", "high", 8)
+
+
 def test_profile_by_path(sandbox, tmp_path):
     f = write(tmp_path, "mine", "extends: local\nray:\n  readiness_timeout_s: 42\n")
     p = load_profile(str(f))
@@ -188,3 +197,13 @@ def test_cli_show_and_errors(cli, tmp_path):
     assert res.returncode == 0
     for name in SHIPPED:
         assert name in res.stdout
+
+
+def test_docs_describe_every_field():
+    from pathlib import Path
+
+    from hpc_verl.profiles import schema_fields
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "profiles.md").read_text()
+    missing = [name for name, *_ in schema_fields() if f"| `{name}` |" not in docs]
+    assert not missing, f"docs/profiles.md lacks rows for: {missing}"

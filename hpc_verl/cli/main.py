@@ -40,7 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # verbs with trainer overrides take key=value anywhere on the line, also after options
+    if extra:
+        if isinstance(getattr(args, "overrides", None), list) and all(
+                "=" in e and not e.startswith("-") for e in extra):
+            args.overrides.extend(extra)
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)

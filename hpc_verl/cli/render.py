@@ -40,5 +40,11 @@ def run(args: argparse.Namespace) -> int:
         path = plan.write(args.output)
         print(f"wrote {path}\n{plan.summary()}", file=sys.stderr)
     else:
-        sys.stdout.write(plan.script)
+        try:
+            sys.stdout.write(plan.script)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `hpc-verl render ... | head` is fine
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

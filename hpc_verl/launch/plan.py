@@ -68,7 +68,10 @@ class LaunchPlan:
 
     def write(self, path: Union[str, "os.PathLike[str]"]) -> Path:
         """Write the script atomically (executable)."""
-        return atomic_write_text(path, self.script, mode=0o755)
+        try:
+            return atomic_write_text(path, self.script, mode=0o755)
+        except OSError as exc:
+            raise RenderError(f"cannot write {path}: {exc.strerror or exc}; choose another -o path") from None
 
 
 def build_plan(profile: Union[Profile, str], job_config: Union[JobConfig, str, None] = None,

@@ -146,7 +146,8 @@ def env_block(profile: Profile) -> list[tuple[str, str, str]]:
     if e.nccl_debug:
         out.append(("NCCL_DEBUG", e.nccl_debug, "NCCL log level"))
     if profile.accelerator == "amd":
-        out.append(("RCCL_ENABLE_SIGNAL_HANDLER", "0", "RCCL (reads the NCCL_* variables above)"))
+        out.append(("HSA_NO_SCRATCH_RECLAIM", "1", "ROCm: keep scratch memory (as verl sets for its workers); "
+                    "RCCL reads the NCCL_* variables above"))
     for name, value in e.vars.items():
         out.append((name, value, "profile env.vars"))
     return out

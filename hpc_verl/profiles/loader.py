@@ -204,6 +204,8 @@ def _load_raw(path: Path, chain: list[Path]) -> tuple[dict[str, Any], dict[str, 
     if not isinstance(parent, str) or not parent:
         raise ProfileError(f"profile file {disp}:{lines.get('extends')}: extends must be a profile name, "
                            f"got {parent!r}")
+    if _looks_like_path(parent) and not Path(parent).expanduser().is_absolute():
+        parent = str(path.parent / parent)  # a relative path is relative to the child's file
     try:
         _, parent_path = resolve(parent, skip=path)
     except ProfileError as exc:

@@ -215,8 +215,9 @@ class ContainerSection:
     memlock_unlimited: bool = _f(True, doc="raise the memlock ulimit to unlimited (`--ulimit memlock=-1:-1`)")
     global_flags: list[str] = _f(default_factory=list, doc="runtime options before the verb, one argument each "
                                  "(podman: `--runtime`, `runc`, `--cgroup-manager=cgroupfs`)", item_check=_flag)
-    run_flags: list[str] = _f(default_factory=list, doc="extra options for `run`/`instance start`, one argument "
-                              "each (`--ulimit`, `nofile=1024:1024`)", item_check=_flag)
+    run_flags: list[str] = _f(default_factory=list, doc="extra options for `run`/`instance start` (for "
+                              "`enroot-pyxis`: extra `srun` options), one argument each (`--ulimit`, "
+                              "`nofile=1024:1024`)", item_check=_flag)
     mounts: list[str] = _f(default_factory=list, doc="extra bind mounts `SRC:DST[:ro|rw]`; the submit, job, data, "
                            "model and cache directories are always mounted at their own paths", item_check=_mount)
     devices: list[str] = _f(default_factory=list, doc="extra host devices to pass in (`/dev/...`)",
@@ -251,7 +252,8 @@ class NetworkSection:
 class EnvSection:
     """Environment exported before Ray starts, on every node and in every container."""
 
-    hf_offline: bool = _f(True, doc="set `HF_HUB_OFFLINE=1` and `TRANSFORMERS_OFFLINE=1` (no hub downloads in jobs)")
+    hf_offline: bool = _f(True, doc="set `HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE` and `HF_DATASETS_OFFLINE` to 1 "
+                          "(no hub downloads in jobs)")
     tokenizers_parallelism: bool = _f(False, doc="value of `TOKENIZERS_PARALLELISM`")
     cuda_device_max_connections: Optional[int] = _f(1, doc="`CUDA_DEVICE_MAX_CONNECTIONS` (1 for Megatron-style "
                                                     "overlap); unset to leave it alone", check=_between(1, 32))
