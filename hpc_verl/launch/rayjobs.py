@@ -311,8 +311,7 @@ class RayCluster:
         """A one-line error for a failed job followed by its last log lines."""
         info = self.info(submission_id)
         tail = last_lines(self.logs(submission_id), lines)
-        why = (info.message or "driver failed").splitlines()[0]
-        why = re.split(r",\s*last available logs", why)[0].rstrip(" :")
+        why = short_message(info.message) or "driver failed"
         code = getattr(info, "driver_exit_code", None)
         head = (f"Ray job {submission_id} failed"
                 + (f" (exit code {code})" if code is not None else "")
@@ -389,6 +388,12 @@ def state_of(ray_status: Any) -> str:
     """Ray's JobStatus (enum or string) -> our state word."""
     raw = getattr(ray_status, "value", ray_status)
     return _STATE_OF_RAY_STATUS.get(str(raw).upper(), str(raw).upper())
+
+
+def short_message(message: str | None) -> str:
+    """Ray's job message without the log copy it appends ("..., last available logs ...")."""
+    first = (message or "").strip().splitlines()[0] if (message or "").strip() else ""
+    return re.split(r",\s*last available logs", first)[0].rstrip(" :")
 
 
 def last_lines(text: str, n: int = FAILED_LOG_LINES) -> str:

@@ -225,7 +225,7 @@ def describe(record: Any, failed_lines: int = rayjobs.FAILED_LOG_LINES) -> dict[
         "kind": KIND, "state": state,
         "ray_status": str(getattr(info.status, "value", info.status)),
         "ray_address": h.address, "submission_id": h.submission_id,
-        "message": (info.message or "").splitlines()[0] if info.message else "",
+        "message": rayjobs.short_message(info.message),
         "start_time": _ms_to_iso(getattr(info, "start_time", None)),
         "end_time": _ms_to_iso(getattr(info, "end_time", None)),
         "driver_exit_code": getattr(info, "driver_exit_code", None),
