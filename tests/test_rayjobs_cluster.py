@@ -22,7 +22,7 @@ DRIVER = ("import ray, sys; ray.init(); "
 def test_cluster_up_two_submissions_down(slurm_testbed, tmp_path):
     bed = slurm_testbed
     res = bed.cli("cluster", "up", "--profile", "testbed-local", "--nodes", "2", "--time-min", "10",
-                  "--wait-timeout-s", "180", timeout=240)
+                  "--wait-timeout-s", "300", timeout=360)
     assert res.returncode == 0, res.stderr + res.stdout
     job_id = int(re.search(r"cluster job (\d+) is up: 2 node\(s\)", res.stdout).group(1))
     address = re.search(r"Ray Jobs address: (\S+)", res.stdout).group(1)

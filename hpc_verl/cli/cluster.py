@@ -27,8 +27,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from hpc_verl.launch import cluster
 
-    rec, info = cluster.up(args.profile, args.nodes, args.sets, args.name, args.time_min, args.wait_timeout_s,
-                           progress=lambda msg: print(f"hpc-verl: {msg}", file=sys.stderr, flush=True))
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status("submitting the cluster job") as spinner:
+        def progress(msg: str) -> None:
+            console.print(f"hpc-verl: {msg}", highlight=False)
+            spinner.update(msg)
+
+        rec, info = cluster.up(args.profile, args.nodes, args.sets, args.name, args.time_min,
+                               args.wait_timeout_s, progress=progress)
     print(f"cluster job {rec.job_id} is up: {len(info.get('nodes', []))} node(s), Ray {info.get('ray_version')}")
     print(f"  Ray Jobs address: {info['address']}")
     print(f"  token file:       {info['token_file']}")
@@ -68,6 +76,10 @@ def submit_ray(args: argparse.Namespace) -> int:
         print(f"dry run: job directory {rec.job_dir}\nwould send: {rec.job_dir}/ray_job.json")
         return 0
     print(f"submitted Ray job {rec.submission_id} ({rec.name}) to {rec.ray_address}")
+    client_v, cluster_v = handle.cluster.client_version, handle.cluster.cluster_version
+    if client_v.split(".")[:2] != cluster_v.split(".")[:2]:
+        print(f"hpc-verl: note: Ray here is {client_v}, the cluster runs {cluster_v}; the driver uses the "
+              "cluster's Ray (both are >= 2.40, so the Jobs API works)", file=sys.stderr)
     print(f"job directory: {rec.job_dir}")
     print(f"follow: hpc-verl logs {rec.submission_id} --follow")
     return 0

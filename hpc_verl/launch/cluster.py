@@ -44,7 +44,7 @@ def up(profile_name: str, nodes: int, sets: Sequence[str] = (), name: str | None
     Returns (registry record, cluster info). A job that ends before that is reported
     with the tail of its batch log; one that is not ready in time is cancelled.
     """
-    from hpc_verl.launch import registry, slurm
+    from hpc_verl.launch import slurm
     from hpc_verl.launch.submit import submit_job
 
     if nodes < 1:
@@ -81,7 +81,14 @@ def up(profile_name: str, nodes: int, sets: Sequence[str] = (), name: str | None
     rec.ray_address = cinfo["address"]
     rec.token_file = cinfo["token_file"]
     rec.save()
-    registry.load(rec.job_dir)  # round-trip check: what later commands will read
+    # The head saw its own Jobs API; check that it is reachable from here too (firewalls, NAT).
+    from hpc_verl.launch import rayjobs
+
+    try:
+        rayjobs.connect(cinfo["address"], cinfo["token_file"])
+    except rayjobs.RayJobsError as exc:
+        raise ClusterError(f"cluster job {rec.job_id} is up but not usable from this host: {exc} "
+                           f"(it keeps running: 'hpc-verl cluster down {rec.job_id}' stops it)") from None
     return rec, cinfo
 
 
