@@ -283,3 +283,33 @@ def test_cli_wrong_token_and_unreachable_are_one_line(cli, head, cli_env, tmp_pa
     assert "cannot reach the Ray Jobs API" in line and str(port) in line
     # failed submissions leave nothing in the registry
     assert not list((tmp_path / "registry").glob("jobs/*"))
+
+
+def test_hold_stage_renders_in_place_of_train(tmp_path):
+    """cluster up renders the same SLURM script with the hold stage: no trainer, dashboard reachable,
+    and it adds nothing to bash -n / shellcheck findings."""
+    import shutil
+    import subprocess
+
+    from hpc_verl.launch.script import render_minimal
+    from hpc_verl.profiles import load_profile
+
+    profile = load_profile("ib-a100", ["ray.dashboard=true", "slurm.requeue=false"])
+    kw = dict(job_dir="/jobs/c 1", submit_dir="/home/u", job_name="ray-cluster",
+              train_command=["-m", "hpc_verl.trainer.main"])
+    held, normal = render_minimal(profile, hold=True, **kw), render_minimal(profile, hold=False, **kw)
+    assert "hpc_verl.launch.hold --job-dir" in held and "hpc_verl.trainer.main" not in held
+    assert "HPCV_RAY_DASHBOARD_HOST=0.0.0.0" in held and "HPCV_RAY_DASHBOARD_HOST=0.0.0.0" not in normal
+    assert "hpc_verl.trainer.main" in normal and "hpc_verl.launch.hold" not in normal
+
+    def findings(text: str) -> set[str]:
+        path = tmp_path / "s.sh"
+        path.write_text(text)
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+        if not shutil.which("shellcheck"):
+            pytest.skip("shellcheck not installed (scripts/setup.sh installs it)")
+        out = subprocess.run(["shellcheck", "-f", "gcc", "--shell=bash", str(path)],
+                             capture_output=True, text=True).stdout
+        return {line.split(": ", 1)[1] for line in out.splitlines() if ": " in line}
+
+    assert findings(held) <= findings(normal)
