@@ -292,21 +292,20 @@ def test_cli_wrong_token_and_unreachable_are_one_line(cli, head, cli_env, tmp_pa
 
 
 def test_hold_stage_renders_in_place_of_train(tmp_path):
-    """cluster up renders the same SLURM script with the hold stage: no trainer, dashboard reachable,
-    and it adds nothing to bash -n / shellcheck findings."""
+    """cluster up renders the launcher's sbatch template with the hold stage: no trainer, the
+    dashboard reachable from login nodes, and no new bash -n / shellcheck findings."""
     import shutil
     import subprocess
 
-    from hpc_verl.launch.script import render_minimal
+    from hpc_verl.launch.render import render_sbatch
     from hpc_verl.profiles import load_profile
 
     profile = load_profile("ib-a100", ["ray.dashboard=true", "slurm.requeue=false"])
-    kw = dict(job_dir="/jobs/c 1", submit_dir="/home/u", job_name="ray-cluster",
-              train_command=["-m", "hpc_verl.trainer.main"])
-    held, normal = render_minimal(profile, hold=True, **kw), render_minimal(profile, hold=False, **kw)
-    assert "hpc_verl.launch.hold --job-dir" in held and "hpc_verl.trainer.main" not in held
-    assert "HPCV_RAY_DASHBOARD_HOST=0.0.0.0" in held and "HPCV_RAY_DASHBOARD_HOST=0.0.0.0" not in normal
-    assert "hpc_verl.trainer.main" in normal and "hpc_verl.launch.hold" not in normal
+    held, normal = render_sbatch(profile, hold=True), render_sbatch(profile)
+    assert "hpc_verl.launch.hold --job-dir" in held and "hpcv_stage train" not in held
+    assert "\nhpcv_hold\n" in held and "hold -> collect" in held
+    assert "--dashboard-host 0.0.0.0" in held and "--dashboard-host" not in normal
+    assert "hpcv_stage train hpcv_train" in normal and "hpc_verl.launch.hold" not in normal
 
     def findings(text: str) -> set[str]:
         path = tmp_path / "s.sh"

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--nodelist", default=os.environ.get("SLURM_JOB_NODELIST", ""))
     plan.add_argument("--gpus-per-node", type=int, default=0)
     plan.add_argument("--node-hosts", default="", help="'node1=hostA,node2=hostA' (from scontrol on the host)")
-    plan.add_argument("--num-cpus", type=int, default=None)
+    plan.add_argument("--num-cpus", type=int, default=None, help="CPUs per Ray node (0 or unset: Ray detects)")
     plan.add_argument("--port-base", type=int, default=20000)
     plan.add_argument("--port-stride", type=int, default=100)
     plan.add_argument("--port-slots", type=int, default=120)

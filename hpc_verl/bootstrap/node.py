@@ -39,7 +39,7 @@ def this_node() -> str:
 
 def node_temp_dir(plan: dict[str, Any], node: str) -> str:
     """Per-job, per-node Ray temp dir on node-local storage (short: Unix socket paths are limited)."""
-    return os.path.join(plan["temp_dir_root"], f"{plan['job_id']}-{node}")
+    return os.path.join(plan["temp_dir_root"], str(plan["job_id"]), node)
 
 
 def log_tail(temp_dir: str, names: tuple[str, ...] = ("raylet.out", "raylet.err", "gcs_server.out",
@@ -99,20 +99,6 @@ class NodeSupervisor:
             return int(env_gpus)
         return int(self.plan["gpus_per_node"])
 
-    def _wait_head(self, deadline: float) -> dict[str, Any]:
-        head_file = ray_dir(self.job_dir) / "head.json"
-        head_state = ray_dir(self.job_dir) / "nodes" / f"{self.plan['head']}.json"
-        while time.monotonic() < deadline and not self._stop_requested():
-            head = read_json(head_file)
-            if head:
-                return head
-            hs = read_json(head_state) or {}
-            if hs.get("state") == "failed":
-                raise BootstrapError(f"head node {self.plan['head']} failed: {hs.get('error')}")
-            time.sleep(0.1)
-        raise BootstrapError(f"node {self.node}: no head address in {head_file} within "
-                             f"{self.plan['timeout_s']}s (head {self.plan['head']} did not come up)")
-
     def ray_command(self, ip: str, ports: Any, head: dict[str, Any] | None) -> list[str]:
         resources = json.dumps({f"{NODE_RESOURCE_PREFIX}{self.node}": 1})
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--node-ip-address={ip}",
@@ -152,14 +138,18 @@ class NodeSupervisor:
         layout = dict(self.plan["layout"], node_slot=self.plan["node_slots"][self.node],
                       nodes_per_host=self.plan["nodes_per_host"])
         ports = pick_node_ports(int(self.plan["job_id"]), head=self.is_head, **layout)
-        head = None if self.is_head else self._wait_head(deadline)
         self.state(state="starting", ip=ip, ports=ports.to_dict())
         if fault == "hang":
             print(f"hpc_verl.bootstrap[{self.node}]: fault injected: not starting Ray", flush=True)
             while not self._stop_requested():
                 time.sleep(0.2)
             return 1
-        cmd = self.ray_command(ip, ports, head)
+        cmd = self.ray_command(ip, ports, None if self.is_head else {"address": "@ADDRESS@"})
+        # workers start Ray's CLI now and let it wait for the head's address (import off the critical path)
+        rdir = ray_dir(self.job_dir)
+        cmd = [sys.executable, "-m", "hpc_verl.bootstrap.raystart", "--stop-file", str(rdir / "stop"),
+               "--timeout-s", str(max(deadline - time.monotonic(), 1.0))] \
+            + ([] if self.is_head else ["--head-file", str(rdir / "head.json")]) + ["--", *cmd[4:]]
         if fault == "crash":
             cmd = [sys.executable, "-c", "import sys; sys.exit('injected fault: ray start failed')"]
         os.makedirs(self.temp_dir, exist_ok=True)

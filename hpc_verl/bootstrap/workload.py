@@ -1,5 +1,10 @@
 """A small Ray workload that honours the trainer's preemption contract (tests, demos).
 
+Contract (the PPO trainer follows it too): when SIGUSR2 arrives or ``$HPCV_PREEMPT_FILE``
+appears (the batch shell creates it on the preemption signal), finish the current step,
+write the checkpoint and exit 99 ("requeue me"); the batch script requeues the job
+while SLURM_RESTART_COUNT < slurm.max_restarts, and the next run resumes.
+
 ``python -m hpc_verl.bootstrap.workload --steps N [--step-s S] [--out FILE]``:
 connects to ``RAY_ADDRESS`` with the job's token, runs one task pinned to every
 SLURM node of the job (by its ``hpcv_node_<name>`` resource, one GPU each) and
@@ -27,14 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hpc_verl.bootstrap.workload")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--step-s", type=float, default=0.2)
-    p.add_argument("--job-dir", default=os.environ.get("HPCV_JOB_DIR", "."))
+    p.add_argument("--job-dir", default=os.environ.get("HPCV_JOB_DIR") or os.environ.get("HPCV_RUN_DIR", "."))
     p.add_argument("--prepare", action="store_true", help="the 'preprocess' stage: note a run, exit")
+    p.add_argument("--input", default=None, help="(preprocess) raw data file")
+    p.add_argument("--output", default=None, help="(preprocess) output directory")
     args = p.parse_args(argv)
     job_dir = Path(args.job_dir)
     if args.prepare:
         with open(job_dir / "prepared.txt", "a") as fh:
             fh.write(f"prepared in run {os.environ.get('SLURM_RESTART_COUNT', '0')}\n")
+        if args.output:
+            Path(args.output).mkdir(parents=True, exist_ok=True)
+            (Path(args.output) / "train.parquet").write_text("placeholder written by the test workload\n")
         return 0
+    preempt_file = os.environ.get("HPCV_PREEMPT_FILE")
     stop = {"asked": False}
     signal.signal(signal.SIGUSR2, lambda *_: stop.__setitem__("asked", True))
 
@@ -60,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         step += 1
         atomic_write_json(ckpt_path, {"step": step, "runs": ckpt["runs"] + 1})
         print(f"workload: step {step}/{args.steps} done", flush=True)
+        if preempt_file and os.path.exists(preempt_file):
+            stop["asked"] = True  # the launcher's batch shell asks through a file (signals stop at srun)
         if stop["asked"]:
             print(f"workload: SIGUSR2: checkpoint at step {step}, exiting {REQUEUE_EXIT} (requeue me)", flush=True)
             ray.shutdown()

@@ -65,15 +65,16 @@ def status_dict(rec) -> dict:
     rec.refresh_from_ray()
     head = {}
     try:
-        head = json.loads((Path(rec.job_dir) / "ray" / "head.json").read_text())
+        head = json.loads((Path(rec.run_dir) / "ray" / "head.json").read_text())
     except (OSError, ValueError):
         pass
-    stages = sorted(p.stem for p in (Path(rec.job_dir) / "stages").glob("*.done"))
+    stages = sorted(p.stem for p in (Path(rec.run_dir) / "stages").glob("*.done")) if rec.run_dir else []
     return {"job_id": rec.job_id, "name": rec.name, "profile": rec.profile, "state": state,
             "source": getattr(info, "source", None), "reason": getattr(info, "reason", ""),
             "exit_code": getattr(info, "exit_code", ""), "restarts": getattr(info, "restarts", 0),
             "slurm_nodes": getattr(info, "nodes", ""), "nodes": rec.nodes, "ray_address": head.get("address"),
-            "ports": rec.ports, "stages_done": stages, "job_dir": rec.job_dir, "log_dir": rec.log_dir,
+            "ports": rec.ports, "stages_done": stages, "job_dir": rec.job_dir, "run_dir": rec.run_dir,
+            "batch_log": rec.batch_log, "log_dir": rec.log_dir,
             **({"jobs_address": rec.ray_address, "token_file": rec.token_file} if rec.role == "cluster" else {})}
 
 
@@ -109,7 +110,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
             raise JobNotFoundError(f"job {args.job} is a Ray job: it has one driver log, no per-node logs; "
                                    "drop --node (node logs are in the cluster job's logs)")
         return rayjobs_ops.logs(rec, follow=args.follow)
-    log = Path(rec.log_dir) / (f"node-{args.node}.log" if args.node else "batch.log")
+    if rec.job_id is None:
+        raise JobNotFoundError(f"job {args.job} was a dry run; it has no logs")
+    log = Path(rec.log_dir) / f"node-{args.node}.log" if args.node else Path(rec.batch_log)
     if args.node and not log.exists():
         known = sorted(p.stem[len("node-"):] for p in Path(rec.log_dir).glob("node-*.log"))
         raise JobNotFoundError(f"job {args.job}: no log for node '{args.node}' in {rec.log_dir}; "

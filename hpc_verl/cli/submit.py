@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"submitted job {rec.job_id} ({rec.name}, profile {rec.profile})")
         print(f"job directory: {rec.job_dir}")
-        print(f"logs: {rec.log_dir}/batch.log and {rec.log_dir}/node-<node>.log")
+        print(f"run directory: {rec.run_dir}")
+        print(f"logs: {rec.batch_log} and {rec.log_dir}/node-<node>.log")
         print(f"follow: hpc-verl logs {rec.job_id} --follow")
     return 0

@@ -33,7 +33,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 def cluster_file(rec: Any) -> Path:
     from hpc_verl.launch.hold import CLUSTER_FILE
 
-    return Path(rec.job_dir) / "ray" / CLUSTER_FILE
+    return Path(rec.run_dir or rec.job_dir) / "ray" / CLUSTER_FILE
 
 
 def up(profile_name: str, nodes: int, sets: Sequence[str] = (), name: str | None = None,
@@ -57,7 +57,7 @@ def up(profile_name: str, nodes: int, sets: Sequence[str] = (), name: str | None
     say = progress or (lambda _msg: None)
     say(f"cluster job {rec.job_id} submitted ({nodes} node(s), profile {rec.profile})")
     info_file = cluster_file(rec)
-    batch_log = Path(rec.log_dir) / "batch.log"
+    batch_log = Path(rec.batch_log)
     deadline = time.monotonic() + wait_timeout_s
     last_state = None
     while not info_file.exists():

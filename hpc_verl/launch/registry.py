@@ -2,10 +2,11 @@
 
 ``$HPC_VERL_HOME/jobs/<name>-<stamp>/`` (default ``~/.local/share/hpc_verl``)
 holds ``job.json`` (job id, profile, paths, submit time), ``script.sbatch``,
-``profile.json`` (resolved), ``job_config.json``, ``logs/`` (batch log and one
-``node-<name>.log`` per node), ``ray/`` (plan, head address, node states; the
-token file is mode 0600) and ``stages/`` (markers). The directory is the job's
-working directory on the cluster, so it must be on the shared file system.
+``profile.json`` (resolved), ``job_config.json``, the batch log
+``<name>-<id>.out`` and the run directory ``<name>-<id>/`` (the profile's
+``paths.job_root`` points here): ``logs/`` (one ``node-<name>.log`` per node),
+``ray/`` (plan, head address, node states; the token file is mode 0600),
+``stages/`` (markers). It must be on the shared file system.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class JobRecord:
     nodes: list[str] = field(default_factory=list)
     ports: dict[str, Any] = field(default_factory=dict)
     dry_run: bool = False
+    run_dir: str = ""      # the job's run directory (HPCV_RUN_DIR): ray/, logs/, stages/, checkpoints
+    batch_log: str = ""    # the batch script's output (sbatch --output)
     # Ray Jobs (scheduler "rayjob"): where the driver was sent; the token stays in its file.
     submission_id: str | None = None
     ray_address: str | None = None
@@ -62,7 +65,7 @@ class JobRecord:
 
     def refresh_from_ray(self) -> None:
         """Node list and ports from the job's Ray plan, once the job wrote them."""
-        ray = Path(self.job_dir) / "ray"
+        ray = Path(self.run_dir or self.job_dir) / "ray"
         try:
             plan = json.loads((ray / "plan.json").read_text())
             self.nodes = plan.get("nodes", self.nodes)
