@@ -12,6 +12,8 @@ from hpc_verl._version import __version__
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
+    "submit": "hpc_verl.launch.submit",
+    "RayJobHandle": "hpc_verl.launch.rayjobs",
     "load_profile": "hpc_verl.profiles",
     "list_profiles": "hpc_verl.profiles",
     "Profile": "hpc_verl.profiles",
@@ -32,7 +34,6 @@ _LAZY: dict[str, str] = {
     "PPOTrainer": "hpc_verl.trainer.ppo",
     "load_config": "hpc_verl.trainer.config",
     "check_batch_arithmetic": "hpc_verl.trainer.config",
-    "submit": "hpc_verl.launch.submit",
 }
 
 

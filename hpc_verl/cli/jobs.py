@@ -27,6 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _state(rec) -> tuple[str, object]:
     from hpc_verl.launch import slurm
 
+    if rec.scheduler == "rayjob":  # Ray Jobs API (hpc_verl.launch.rayjobs_ops)
+        from hpc_verl.launch import rayjobs_ops
+
+        return ("DRY-RUN" if rec.dry_run else rayjobs_ops.list_state(rec)), None
     if rec.job_id is None:
         return "DRY-RUN", None
     info = slurm.job_info(rec.job_id, env=rec.env())
@@ -44,7 +48,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         table.add_column(col)
     for rec in registry.all_jobs():
         state, _ = _state(rec)
-        table.add_row(str(rec.job_id or "-"), rec.name, rec.profile, state,
+        table.add_row(str(rec.job_id or rec.submission_id or "-"), rec.name, rec.profile, state,
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(rec.submitted)), Path(rec.job_dir).name)
     Console(width=200).print(table)
     return 0
@@ -53,6 +57,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 def status_dict(rec) -> dict:
     import json
 
+    if rec.scheduler == "rayjob" and not rec.dry_run:
+        from hpc_verl.launch import rayjobs_ops
+
+        return rayjobs_ops.describe(rec)
     state, info = _state(rec)
     rec.refresh_from_ray()
     head = {}
@@ -66,7 +74,8 @@ def status_dict(rec) -> dict:
             "exit_code": getattr(info, "exit_code", ""), "restarts": getattr(info, "restarts", 0),
             "slurm_nodes": getattr(info, "nodes", ""), "nodes": rec.nodes, "ray_address": head.get("address"),
             "ports": rec.ports, "stages_done": stages, "job_dir": rec.job_dir, "run_dir": rec.run_dir,
-            "batch_log": rec.batch_log, "log_dir": rec.log_dir}
+            "batch_log": rec.batch_log, "log_dir": rec.log_dir,
+            **({"jobs_address": rec.ray_address, "token_file": rec.token_file} if rec.role == "cluster" else {})}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -79,6 +88,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(d, indent=2))
         return 0
     for k, v in d.items():
+        if isinstance(v, str) and "\n" in v:  # e.g. a failed Ray job's last log lines
+            print(k)
+            print("\n".join("  " + line for line in v.splitlines()))
+            continue
         if k == "ports":
             v = ", ".join(f"{n}: {p.get('block_start')}+" for n, p in v.items()) if v else "-"
         print(f"{k:12} {v if v not in (None, '', []) else '-'}")
@@ -90,6 +103,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from hpc_verl.launch import registry
 
     rec = registry.find(args.job)
+    if rec.scheduler == "rayjob" and not rec.dry_run:
+        from hpc_verl.launch import rayjobs_ops
+
+        if args.node:
+            raise JobNotFoundError(f"job {args.job} is a Ray job: it has one driver log, no per-node logs; "
+                                   "drop --node (node logs are in the cluster job's logs)")
+        return rayjobs_ops.logs(rec, follow=args.follow)
     if rec.job_id is None:
         raise JobNotFoundError(f"job {args.job} was a dry run; it has no logs")
     log = Path(rec.log_dir) / f"node-{args.node}.log" if args.node else Path(rec.batch_log)
@@ -121,6 +141,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from hpc_verl.launch import registry, slurm
 
     rec = registry.find(args.job)
+    if rec.scheduler == "rayjob" and not rec.dry_run:
+        from hpc_verl.launch import rayjobs_ops
+
+        print(rayjobs_ops.cancel(rec))
+        return 0
     if rec.job_id is None:
         raise SubmitError(f"job {args.job} was a dry run; nothing to cancel")
     slurm.scancel(rec.job_id, env=rec.env())

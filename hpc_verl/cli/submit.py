@@ -5,8 +5,17 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("submit", help="render a job for a SLURM profile and sbatch it")
-    p.add_argument("--profile", required=True, help="profile name or path")
+    p = sub.add_parser("submit", help="render a job for a SLURM profile and sbatch it, or send it to a "
+                       "running Ray cluster (--ray-address / --cluster)")
+    p.add_argument("--profile", default=None, help="profile name or path (required for SLURM; with "
+                   "--ray-address it supplies the environment block and node/GPU counts)")
+    p.add_argument("--ray-address", default=None, metavar="URL",
+                   help="submit through the Ray Jobs API of this cluster, e.g. http://HEAD:8265")
+    p.add_argument("--ray-token-file", default=None, metavar="FILE",
+                   help="the cluster's Ray auth token (default: $RAY_AUTH_TOKEN(_PATH), ~/.ray/auth_token)")
+    p.add_argument("--cluster", default=None, metavar="JOB",
+                   help="submit into a cluster held by 'hpc-verl cluster up' (its id; address, token "
+                   "and profile come from the registry)")
     p.add_argument("--config", default=None, help="job config YAML")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="profile override, e.g. --set slurm.nodes=4")
@@ -17,6 +26,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ray_address or args.cluster:
+        from hpc_verl.cli.cluster import submit_ray
+
+        return submit_ray(args)
+    if not args.profile:
+        from hpc_verl.errors import ConfigError
+
+        raise ConfigError("submit needs --profile NAME (a SLURM profile; see 'hpc-verl profiles list'), "
+                          "or --ray-address URL / --cluster JOB for a running Ray cluster")
     from hpc_verl.launch.submit import submit_job
 
     rec = submit_job(args.profile, args.config, args.overrides, args.sets, args.name, args.dry_run)

@@ -49,6 +49,12 @@ class JobRecord:
     dry_run: bool = False
     run_dir: str = ""      # the job's run directory (HPCV_RUN_DIR): ray/, logs/, stages/, checkpoints
     batch_log: str = ""    # the batch script's output (sbatch --output)
+    # Ray Jobs (scheduler "rayjob"): where the driver was sent; the token stays in its file.
+    submission_id: str | None = None
+    ray_address: str | None = None
+    token_file: str | None = None
+    # "cluster": a held Ray cluster (`hpc-verl cluster up`), whose jobs are submitted into it
+    role: str = "job"
 
     def save(self) -> None:
         atomic_write_json(Path(self.job_dir) / "job.json", asdict(self))
@@ -102,11 +108,12 @@ def all_jobs() -> Iterator[JobRecord]:
 
 
 def find(ref: str) -> JobRecord:
-    """A job by SLURM id, by directory name, or by path."""
+    """A job by SLURM id, Ray submission id, directory name, or path."""
     ref = str(ref)
     if os.path.isdir(ref) and os.path.exists(os.path.join(ref, "job.json")):
         return load(ref)
-    matches = [j for j in all_jobs() if str(j.job_id) == ref or Path(j.job_dir).name == ref]
+    matches = [j for j in all_jobs()
+               if str(j.job_id) == ref or Path(j.job_dir).name == ref or j.submission_id == ref]
     if not matches:
         raise JobNotFoundError(f"job '{ref}' is not in the registry ({jobs_root()}); "
                                "see 'hpc-verl list' for known jobs")

@@ -32,11 +32,12 @@ def _job_config(config: str | None, overrides: Sequence[str]) -> Any:
 
 
 def prepare(profile_name: str, config: str | None = None, overrides: Sequence[str] = (),
-            sets: Sequence[str] = (), name: str | None = None) -> registry.JobRecord:
+            sets: Sequence[str] = (), name: str | None = None, hold: bool = False) -> registry.JobRecord:
     """Everything but the submission: job dir, rendered script, resolved profile and config.
 
     The profile's ``paths.job_root`` is pointed at the job's registry directory, so the
     run directory (``<name>-<job id>``) and the batch log land next to the record.
+    ``hold``: a cluster job (``hpc-verl cluster up``) that keeps Ray up instead of training.
     """
     from hpc_verl.launch.render import render_sbatch
 
@@ -50,7 +51,7 @@ def prepare(profile_name: str, config: str | None = None, overrides: Sequence[st
         if profile.scheduler != "slurm":
             raise ConfigError(f"profile {profile.name} uses scheduler '{profile.scheduler}'; "
                               "'hpc-verl submit' needs a SLURM profile")
-        script = render_sbatch(profile, job)
+        script = render_sbatch(profile, job, hold=hold)
     except BaseException:
         import shutil
 
@@ -76,9 +77,13 @@ def _set_paths(rec: registry.JobRecord, job_id: int) -> None:
 
 
 def submit_job(profile_name: str, config: str | None = None, overrides: Sequence[str] = (),
-               sets: Sequence[str] = (), name: str | None = None, dry_run: bool = False) -> registry.JobRecord:
+               sets: Sequence[str] = (), name: str | None = None, dry_run: bool = False,
+               hold: bool = False) -> registry.JobRecord:
     """Prepare, then ``sbatch --parsable`` (unless ``dry_run``) and record the job id."""
-    rec = prepare(profile_name, config, overrides, sets, name)
+    rec = prepare(profile_name, config, overrides, sets, name, hold=hold)
+    if hold:
+        rec.role = "cluster"
+        rec.save()
     if dry_run:
         return rec
     _set_paths(rec, slurm.sbatch(rec.script))
@@ -104,9 +109,22 @@ def run_batch_script(script: str) -> dict[str, Any]:
     return {"exit_code": proc.returncode, "ray_address": head.get("address"), "result": result}
 
 
-def submit(profile: str, config: str | None = None, overrides: Sequence[str] = (), sets: Sequence[str] = (),
-           name: str | None = None) -> Any:
-    """Submit through submitit; returns a ``submitit.Job`` (state, result(), stdout(), cancel())."""
+def submit(profile: str | None = None, config: str | None = None, overrides: Sequence[str] = (),
+           sets: Sequence[str] = (), name: str | None = None, *, ray_address: str | None = None,
+           ray_token_file: str | None = None) -> Any:
+    """Submit through submitit; returns a ``submitit.Job`` (state, result(), stdout(), cancel()).
+
+    With ``ray_address`` the job goes to that running Ray cluster through the Jobs
+    API instead, and the return value is a ``RayJobHandle`` (state, logs(), wait(), stop()).
+    """
+    if ray_address:
+        from hpc_verl.launch import rayjobs_ops
+
+        handle, _rec = rayjobs_ops.submit_to_registry(profile, config, overrides, sets, name,
+                                                      ray_address=ray_address, token_file=ray_token_file)
+        return handle
+    if not profile:
+        raise ConfigError("submit() needs a profile name (or ray_address=... for a running Ray cluster)")
     import submitit
 
     rec = prepare(profile, config, overrides, sets, name)
