@@ -29,3 +29,14 @@ def cli():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_bed import slurm_testbed  # noqa: E402,F401  (session fixture for -m slurm tests)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Code under test may export variables (the bootstrap's barrier sets RAY_AUTH_* for its
+    own process); keep them from leaking into later tests in this process."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
