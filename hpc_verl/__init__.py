@@ -12,6 +12,8 @@ from hpc_verl._version import __version__
 
 # public name -> module that defines it
 _LAZY: dict[str, str] = {
+    "submit": "hpc_verl.launch.submit",
+    "RayJobHandle": "hpc_verl.launch.rayjobs",
     "load_profile": "hpc_verl.profiles",
     "list_profiles": "hpc_verl.profiles",
     "Profile": "hpc_verl.profiles",

@@ -25,3 +25,7 @@ def run_cli(*args: str, cwd: str | os.PathLike[str] | None = None, env: dict | N
 @pytest.fixture
 def cli():
     return run_cli
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slurm_bed import slurm_testbed  # noqa: E402,F401  (session fixture for -m slurm tests)

@@ -74,10 +74,11 @@ def test_ib_a100_render_has_what_acceptance_asks():
     assert "HPCV_DEVICES=(/dev/infiniband)" in s and "--cap-add IPC_LOCK" in s and "memlock=-1:-1" in s
     assert "--shm-size 128g" in s
     # Ray: ports from the job id at run time, head + workers via srun, bounded barrier, no sleep-as-wait
-    assert "HPCV_RAY_PORT=$((HPCV_RAY_PORT_BASE + (HPCV_JOB_ID % HPCV_RAY_PORT_SLOTS) * HPCV_RAY_PORT_STRIDE))" in s
+    assert '--port-base "$HPCV_RAY_PORT_BASE" --port-stride "$HPCV_RAY_PORT_STRIDE"' in s
+    assert '--job-id "$HPCV_JOB_ID"' in s
     assert 'export HPCV_JOB_ID="${SLURM_JOB_ID:-$$}"' in s
     assert "hpcv_ray_node head" in s and "hpcv_ray_node worker" in s
-    assert "-m hpc_verl.bootstrap wait --address" in s and '--timeout-s "$HPCV_RAY_TIMEOUT_S"' in s
+    assert '-m hpc_verl.bootstrap wait --job-dir "$HPCV_RUN_DIR"' in s and '--timeout-s "$HPCV_RAY_TIMEOUT_S"' in s
     assert not re.search(r"sleep [0-9]+[^.]", s.replace("sleep 1\n  done", ""))  # only the bounded poll
     # stages in order
     pipeline = s[s.index("# ---- the pipeline"):]

@@ -83,10 +83,12 @@ def test_stages_in_order_and_skipped_after_requeue(fc):
     # derived overrides carry run-time values
     assert "trainer.nnodes=2" in trainer_runs[0] and "trainer.n_gpus_per_node=4" in trainer_runs[0]
     # ports derived from the job id at run time: base + (id % slots) * stride
-    head = [c for c in first.calls("python") if c[1:3] == ["hpc_verl.bootstrap", "head"]][0]
-    assert head[head.index("--port") + 1] == str(40000 + (int(JOB_ID) % 200) * 100)
+    plan = [c for c in first.calls("python") if c[1:3] == ["hpc_verl.bootstrap", "plan"]][0]
+    assert plan[plan.index("--port-base") + 1] == "40000" and plan[plan.index("--port-slots") + 1] == "200"
+    assert plan[plan.index("--job-id") + 1] == JOB_ID and plan[plan.index("--gpus-per-node") + 1] == "4"
+    assert [c for c in first.calls("python") if c[1:3] == ["hpc_verl.bootstrap", "head"]]
     wait = [c for c in first.calls("python") if c[1:3] == ["hpc_verl.bootstrap", "wait"]][0]
-    assert wait[wait.index("--nodes") + 1] == "2" and wait[wait.index("--gpus") + 1] == "8"
+    assert wait[wait.index("--job-dir") + 1] == str(first.run_dir)
 
     again = fc.run(script, SLURM_RESTART_COUNT="1")
     assert again.rc == 0, again.stderr

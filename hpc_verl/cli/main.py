@@ -17,7 +17,8 @@ from hpc_verl.errors import HpcVerlError
 
 # Add a verb by adding its module name here (module hpc_verl.cli.<name>).
 VERB_MODULES: tuple[str, ...] = (
-    "profiles", "render", "validate", "doctor", "plan",
+    "profiles", "render", "validate", "submit", "jobs", "cluster",
+    "doctor", "plan",
     "train", "preprocess", "make_tiny_model", "check_model", "plot",
     "dashboard",
 )

@@ -55,6 +55,8 @@ class JobConfig:
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     data: DataSpec = field(default_factory=DataSpec)
     model: ModelSpec = field(default_factory=ModelSpec)
+    # Only for Ray Jobs submission (--ray-address): checked by hpc_verl.launch.rayjobs_ops.RayJobOptions.
+    ray_job: dict[str, Any] = field(default_factory=dict)
     source: str = "(built-in default job)"
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,7 +70,7 @@ class JobConfig:
 
 
 _SECTIONS = {"trainer": TrainerSpec, "data": DataSpec, "model": ModelSpec}
-_TOP_KEYS = ("name", "trainer", "data", "model")
+_TOP_KEYS = ("name", "trainer", "data", "model", "ray_job")
 
 
 def format_override_value(value: Any) -> str:
@@ -171,6 +173,11 @@ def job_from_dict(data: dict[str, Any], where: str) -> JobConfig:
     for section, cls in _SECTIONS.items():
         if section in data:
             setattr(job, section, _build_section(cls, data[section], where, section))
+    if data.get("ray_job") is not None:
+        from hpc_verl.launch.rayjobs_ops import RayJobOptions
+
+        RayJobOptions.from_mapping(data["ray_job"], f"job config {where}: ray_job")
+        job.ray_job = dict(data["ray_job"])
     return job
 
 

@@ -182,8 +182,10 @@ def derived_overrides(profile: Profile, job: JobConfig) -> list[tuple[str, str]]
     return [(k, v) for k, v in wanted if k not in given]
 
 
-def sbatch_context(profile: Profile, job: JobConfig) -> dict[str, Any]:
-    """Everything job.sbatch.j2 and its partials may use (the only context of that template)."""
+def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False) -> dict[str, Any]:
+    """Everything job.sbatch.j2 and its partials may use (the only context of that template).
+
+    ``hold``: a cluster job (``hpc-verl cluster up``): the hold stage replaces train."""
     c, n = profile.container, profile.network
     devices = list(n.ib_devices) if n.transport in ("infiniband", "roce") else []
     devices += [d for d in c.devices if d not in devices]
@@ -192,7 +194,8 @@ def sbatch_context(profile: Profile, job: JobConfig) -> dict[str, Any]:
         "version": __version__,
         "profile": profile,
         "job": job,
-        "stages": STAGES,
+        "stages": tuple("hold" if st == "train" else st for st in STAGES) if hold else STAGES,
+        "hold": hold,
         "slurm": profile.scheduler == "slurm",
         "sbatch_options": sbatch_options(profile, job) if profile.scheduler == "slurm" else [],
         "runtime": c.runtime,
@@ -222,6 +225,6 @@ def render_template(name: str, *args: Any) -> str:
         raise RenderError(f"template {name}: {exc}") from None
 
 
-def render_sbatch(profile: Profile, job: Optional[JobConfig] = None) -> str:
-    """The sbatch script (text) for a resolved profile and job config."""
-    return render_template(SBATCH_TEMPLATE, profile, job or JobConfig())
+def render_sbatch(profile: Profile, job: Optional[JobConfig] = None, hold: bool = False) -> str:
+    """The sbatch script (text) for a resolved profile and job config (``hold``: a cluster job)."""
+    return render_template(SBATCH_TEMPLATE, profile, job or JobConfig(), hold)

@@ -1,0 +1,151 @@
+"""``python3 -m hpc_verl.bootstrap VERB``: the node-side commands of a job.
+
+plan       (batch script, once) expand the node list, make the token, write plan.json;
+           prints shell assignments (HPCV_RAY_HEAD, HPCV_RAY_WORKERS, HPCV_RAY_NNODES)
+node|head|worker  (under srun, one per node) start and supervise this node's Ray
+wait       (batch script) the readiness barrier; writes ray/env.sh (RAY_ADDRESS, token vars)
+stop       (any node) stop this node's supervisor and everything it started
+hostnames  expand a SLURM hostlist (pure Python fallback for scontrol)
+ports      print a job's port layout
+Exit codes: 0 ok, 1 bring-up failed (diagnostics printed), 2 bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+
+from hpc_verl.errors import HpcVerlError
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python3 -m hpc_verl.bootstrap")
+    sub = p.add_subparsers(dest="verb", required=True)
+    plan = sub.add_parser("plan")
+    plan.add_argument("--job-dir", required=True)
+    plan.add_argument("--job-id", type=int, default=int(os.environ.get("SLURM_JOB_ID", "0") or 0))
+    plan.add_argument("--nodelist", default=os.environ.get("SLURM_JOB_NODELIST", ""))
+    plan.add_argument("--gpus-per-node", type=int, default=0)
+    plan.add_argument("--node-hosts", default="", help="'node1=hostA,node2=hostA' (from scontrol on the host)")
+    plan.add_argument("--num-cpus", type=int, default=None, help="CPUs per Ray node (0 or unset: Ray detects)")
+    plan.add_argument("--port-base", type=int, default=20000)
+    plan.add_argument("--port-stride", type=int, default=100)
+    plan.add_argument("--port-slots", type=int, default=120)
+    plan.add_argument("--interface", default=None)
+    plan.add_argument("--allow-loopback", type=_bool, default=False)
+    plan.add_argument("--temp-dir-root", default="/tmp/hpcv-ray")
+    plan.add_argument("--dashboard", type=_bool, default=False)
+    plan.add_argument("--dashboard-host", default="127.0.0.1")
+    plan.add_argument("--timeout-s", type=float, default=300)
+    plan.add_argument("--python", default=sys.executable)
+    for verb in ("node", "head", "worker"):
+        n = sub.add_parser(verb)
+        n.add_argument("--job-dir", required=True)
+        n.add_argument("--node", default=None, help="SLURM node name (default: $SLURMD_NODENAME)")
+    w = sub.add_parser("wait")
+    w.add_argument("--job-dir", required=True)
+    w.add_argument("--srun-pids", default="", help="'PID:head PID:workers' background steps to watch")
+    w.add_argument("--timeout-s", type=float, default=None)
+    s = sub.add_parser("stop")
+    s.add_argument("--job-dir", required=True)
+    s.add_argument("--node", default=None)
+    h = sub.add_parser("hostnames")
+    h.add_argument("nodelist")
+    pr = sub.add_parser("ports")
+    pr.add_argument("--job-id", type=int, required=True)
+    pr.add_argument("--port-base", type=int, default=20000)
+    pr.add_argument("--port-stride", type=int, default=100)
+    pr.add_argument("--port-slots", type=int, default=120)
+    pr.add_argument("--nodes-per-host", type=int, default=1)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except HpcVerlError as exc:
+        print(f"hpc_verl.bootstrap: error: {exc}", file=sys.stderr, flush=True)
+        return 1 if args.verb in ("wait", "node", "head", "worker") else 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.verb == "plan":
+        from hpc_verl.bootstrap.plan import write_plan
+
+        plan = write_plan(args.job_dir, args.job_id, args.nodelist, gpus_per_node=args.gpus_per_node,
+                          num_cpus=args.num_cpus, port_base=args.port_base, port_stride=args.port_stride,
+                          port_slots=args.port_slots, interface=args.interface,
+                          allow_loopback=args.allow_loopback, temp_dir_root=args.temp_dir_root,
+                          dashboard=args.dashboard, dashboard_host=args.dashboard_host,
+                          timeout_s=args.timeout_s, python=args.python, node_hosts=args.node_hosts)
+        workers = [n for n in plan["nodes"] if n != plan["head"]]
+        print(f"HPCV_RAY_HEAD={shlex.quote(plan['head'])}")
+        print(f"HPCV_RAY_WORKERS={shlex.quote(','.join(workers))}")
+        print(f"HPCV_RAY_NNODES={len(plan['nodes'])}")
+        return 0
+    if args.verb in ("node", "head", "worker"):
+        from hpc_verl.bootstrap.node import NodeSupervisor
+
+        role = None if args.verb == "node" else args.verb
+        return NodeSupervisor(args.job_dir, args.node, role).run()
+    if args.verb == "wait":
+        from hpc_verl.bootstrap.barrier import Barrier, parse_pids
+
+        Barrier(args.job_dir, parse_pids(args.srun_pids), args.timeout_s).wait()
+        return 0
+    if args.verb == "stop":
+        return _stop(args.job_dir, args.node)
+    if args.verb == "hostnames":
+        from hpc_verl.bootstrap.hostlist import expand_hostlist
+
+        print("\n".join(expand_hostlist(args.nodelist)))
+        return 0
+    if args.verb == "ports":
+        from hpc_verl.bootstrap.ports import port_block
+
+        blocks = [port_block(args.job_id, port_base=args.port_base, port_stride=args.port_stride,
+                             port_slots=args.port_slots, node_slot=i, nodes_per_host=args.nodes_per_host)
+                  .to_dict() for i in range(args.nodes_per_host)]
+        print(json.dumps(blocks, indent=2))
+        return 0
+    raise AssertionError(args.verb)
+
+
+def _stop(job_dir: str, node: str | None) -> int:
+    """Fallback teardown: TERM this node's supervisor (it stops its own tree), then KILL what is left."""
+    from hpc_verl.bootstrap import procs
+    from hpc_verl.bootstrap.node import this_node
+    from hpc_verl.bootstrap.plan import node_states
+
+    node = node or this_node()
+    st = node_states(job_dir).get(node, {})
+    pid = st.get("supervisor_pid")
+    if not pid or not procs.alive(pid):
+        print(f"hpc_verl.bootstrap: node {node}: no running supervisor", file=sys.stderr)
+        return 0
+    kids = procs.descendants(pid)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while procs.alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in [pid, *kids]:
+        if procs.alive(p):
+            os.kill(p, signal.SIGKILL)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

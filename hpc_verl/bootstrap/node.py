@@ -1,0 +1,210 @@
+"""The per-node supervisor: start this node's Ray, keep it, stop exactly it.
+
+Run under ``srun`` (one task per node) as ``python3 -m hpc_verl.bootstrap node``.
+It picks the node's ports, starts ``ray start`` (head or worker) with the job's
+token, publishes ``head.json`` as soon as the head's GCS answers (workers wait
+for it, so they start in parallel right after the head), then stays in the
+foreground until SIGTERM/SIGINT (teardown) or until its raylet dies (failure:
+``nodes/<node>.json`` gets the error and a log tail, exit code 1).
+
+Fault injection for tests (real processes, fake fault): ``HPC_VERL_FAULT_NODE=<node>``
+with ``HPC_VERL_FAULT=hang`` (the node never joins but its step stays alive) or
+``HPC_VERL_FAULT=crash`` (its Ray start fails at once).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc_verl.bootstrap import procs
+from hpc_verl.bootstrap.netif import select_ip
+from hpc_verl.bootstrap.plan import ray_dir, ray_env, read_json, read_plan, write_node_state
+from hpc_verl.bootstrap.ports import pick_node_ports
+from hpc_verl.errors import BootstrapError
+from hpc_verl.util.fs import atomic_write_json
+
+NODE_RESOURCE_PREFIX = "hpcv_node_"
+
+
+def this_node() -> str:
+    return os.environ.get("SLURMD_NODENAME") or os.environ.get("HPC_VERL_NODE") or socket.gethostname()
+
+
+def node_temp_dir(plan: dict[str, Any], node: str) -> str:
+    """Per-job, per-node Ray temp dir on node-local storage (short: Unix socket paths are limited)."""
+    return os.path.join(plan["temp_dir_root"], str(plan["job_id"]), node)
+
+
+def log_tail(temp_dir: str, names: tuple[str, ...] = ("raylet.out", "raylet.err", "gcs_server.out",
+                                                     "gcs_server.err"), lines: int = 15) -> str:
+    """The last lines of this node's Ray daemon logs (for diagnostics)."""
+    logs = Path(temp_dir) / "session_latest" / "logs"
+    chunks = []
+    for name in names:
+        p = logs / name
+        if p.exists():
+            text = p.read_text(errors="replace").splitlines()[-lines:]
+            chunks.append(f"--- {p}\n" + "\n".join(text))
+    return "\n".join(chunks) if chunks else f"(no Ray logs under {logs})"
+
+
+def _wait_port(host: str, port: int, child: subprocess.Popen, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host, port)) == 0:
+                return True
+        if child.poll() is not None and child.returncode != 0:
+            return False
+        time.sleep(0.1)
+    return False
+
+
+class NodeSupervisor:
+    """Owns this node's Ray processes for the life of the job step."""
+
+    def __init__(self, job_dir: str, node: str | None = None, role: str | None = None) -> None:
+        self.job_dir = job_dir
+        self.plan = read_plan(job_dir)
+        self.node = node or this_node()
+        if self.node not in self.plan["nodes"]:
+            raise BootstrapError(f"node '{self.node}' is not in this job's node list {self.plan['nodes']}")
+        self.is_head = self.node == self.plan["head"]
+        if role and (role == "head") != self.is_head:
+            raise BootstrapError(f"'{role}' asked on node {self.node}, but the head is {self.plan['head']}")
+        self.temp_dir = node_temp_dir(self.plan, self.node)
+        self.stopping = False
+        self.env = {**os.environ, **ray_env(job_dir), "HPC_VERL_RAY_NODE": self.node}
+        # a loaded node starts Ray's agents slowly; the readiness barrier bounds the wait instead
+        self.env.setdefault("RAY_agent_register_timeout_ms", "120000")
+        # ray start would otherwise pick up ~/.ray/auth_token of whoever runs it
+        self.env.pop("RAY_AUTH_TOKEN", None)
+        self.env.pop("RAY_ADDRESS", None)
+
+    def state(self, **kw: Any) -> None:
+        write_node_state(self.job_dir, self.node, node=self.node, role="head" if self.is_head else "worker",
+                         supervisor_pid=os.getpid(), temp_dir=self.temp_dir,
+                         in_container=os.path.exists("/run/.containerenv") or os.path.exists("/.dockerenv"), **kw)
+
+    def _num_gpus(self) -> int:
+        env_gpus = os.environ.get("SLURM_GPUS_ON_NODE")
+        if env_gpus and env_gpus.isdigit():
+            return int(env_gpus)
+        return int(self.plan["gpus_per_node"])
+
+    def ray_command(self, ip: str, ports: Any, head: dict[str, Any] | None) -> list[str]:
+        resources = json.dumps({f"{NODE_RESOURCE_PREFIX}{self.node}": 1})
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--node-ip-address={ip}",
+               f"--num-gpus={self._num_gpus()}", f"--temp-dir={self.temp_dir}",
+               f"--resources={resources}", "--disable-usage-stats", *ports.ray_start_args(self.is_head)]
+        if self.plan.get("num_cpus"):
+            cmd.append(f"--num-cpus={self.plan['num_cpus']}")
+        if self.is_head:
+            cmd += ["--head", f"--include-dashboard={'true' if self.plan['dashboard'] else 'false'}",
+                    f"--dashboard-host={self.plan['dashboard_host']}"]
+        else:
+            cmd.append(f"--address={head['address']}")
+        return cmd
+
+    def run(self) -> int:
+        """Start Ray on this node and supervise it; returns the exit code for the step."""
+        procs.become_subreaper()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        timeout_s = float(self.plan["timeout_s"])
+        deadline = time.monotonic() + timeout_s
+        self.state(state="starting", started=time.time())
+        try:
+            return self._run(deadline)
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the barrier
+            if not isinstance(exc, BootstrapError):
+                exc = BootstrapError(f"node {self.node}: {type(exc).__name__}: {exc}")
+            self.state(state="failed", error=str(exc), log_tail=log_tail(self.temp_dir))
+            print(f"hpc_verl.bootstrap[{self.node}]: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self.stop()
+
+    def _run(self, deadline: float) -> int:
+        fault = os.environ.get("HPC_VERL_FAULT") if os.environ.get("HPC_VERL_FAULT_NODE") == self.node else None
+        ip = select_ip(self.plan.get("interface"), bool(self.plan.get("allow_loopback")))
+        layout = dict(self.plan["layout"], node_slot=self.plan["node_slots"][self.node],
+                      nodes_per_host=self.plan["nodes_per_host"])
+        ports = pick_node_ports(int(self.plan["job_id"]), head=self.is_head, **layout)
+        self.state(state="starting", ip=ip, ports=ports.to_dict())
+        if fault == "hang":
+            print(f"hpc_verl.bootstrap[{self.node}]: fault injected: not starting Ray", flush=True)
+            while not self._stop_requested():
+                time.sleep(0.2)
+            return 1
+        cmd = self.ray_command(ip, ports, None if self.is_head else {"address": "@ADDRESS@"})
+        # workers start Ray's CLI now and let it wait for the head's address (import off the critical path)
+        rdir = ray_dir(self.job_dir)
+        cmd = [sys.executable, "-m", "hpc_verl.bootstrap.raystart", "--stop-file", str(rdir / "stop"),
+               "--timeout-s", str(max(deadline - time.monotonic(), 1.0))] \
+            + ([] if self.is_head else ["--head-file", str(rdir / "head.json")]) + ["--", *cmd[4:]]
+        if fault == "crash":
+            cmd = [sys.executable, "-c", "import sys; sys.exit('injected fault: ray start failed')"]
+        os.makedirs(self.temp_dir, exist_ok=True)
+        log_path = os.path.join(self.temp_dir, "ray-start.log")
+        with open(log_path, "ab") as log:
+            child = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        if self.is_head:
+            if not _wait_port(ip, ports.gcs, child, deadline):
+                raise BootstrapError(self._start_failure(child, log_path, "GCS did not answer"))
+            atomic_write_json(ray_dir(self.job_dir) / "head.json",
+                              {"node": self.node, "ip": ip, "address": f"{ip}:{ports.gcs}",
+                               "gcs_port": ports.gcs, "dashboard_port": ports.dashboard,
+                               "client_port": ports.client, "dashboard_host": self.plan["dashboard_host"]})
+        while child.poll() is None and not self.stopping:
+            if time.monotonic() > deadline:
+                raise BootstrapError(self._start_failure(child, log_path, "ray start did not return"))
+            time.sleep(0.1)
+        if self.stopping:
+            return 0
+        if child.returncode != 0:
+            raise BootstrapError(self._start_failure(child, log_path, f"ray start exited {child.returncode}"))
+        raylet = self._find("raylet")
+        self.state(state="running", raylet_pid=raylet, ray_pids=procs.descendants(os.getpid()))
+        print(f"hpc_verl.bootstrap[{self.node}]: Ray {'head' if self.is_head else 'worker'} up at {ip} "
+              f"(ports {ports.block_start}+, temp {self.temp_dir})", flush=True)
+        stop_file = ray_dir(self.job_dir) / "stop"
+        while not self.stopping and not stop_file.exists():
+            procs.reap()
+            if raylet is None or not procs.alive(raylet):
+                raise BootstrapError(f"node {self.node}: raylet exited; see {self.temp_dir}/session_latest/logs")
+            time.sleep(0.5)
+        return 0
+
+    def _find(self, name: str) -> int | None:
+        for pid in procs.descendants(os.getpid()):
+            if procs.comm(pid) == name:
+                return pid
+        return None
+
+    def _start_failure(self, child: subprocess.Popen, log_path: str, what: str) -> str:
+        try:
+            tail = Path(log_path).read_text(errors="replace").strip().splitlines()[-5:]
+        except OSError:
+            tail = []
+        return f"node {self.node}: {what}; last output: {' | '.join(tail) or '(none)'} (log {log_path})"
+
+    def _stop_requested(self) -> bool:
+        return self.stopping or (ray_dir(self.job_dir) / "stop").exists()
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.stopping = True
+
+    def stop(self) -> None:
+        """Stop every process this supervisor started (its descendants), nothing else."""
+        killed = procs.kill_tree(os.getpid(), grace_s=6.0)
+        st = read_json(ray_dir(self.job_dir) / "nodes" / f"{self.node}.json") or {}
+        self.state(state="failed" if st.get("state") == "failed" else "stopped", stopped_pids=killed)

@@ -1,0 +1,85 @@
+"""``hpc-verl cluster up --profile NAME --nodes N`` / ``cluster down [JOB]``, and the Ray side of ``submit``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cluster", help="hold a Ray cluster in a SLURM allocation for Ray Jobs submissions")
+    verbs = p.add_subparsers(dest="cluster_verb", metavar="up|down", parser_class=type(p))
+    up = verbs.add_parser("up", help="start a cluster job; print its Ray Jobs address and token file")
+    up.add_argument("--profile", required=True, help="SLURM profile name or path")
+    up.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    up.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="profile override, e.g. --set slurm.partition=gpu")
+    up.add_argument("--name", default=None, help="job name (default ray-cluster)")
+    up.add_argument("--time-min", type=int, default=None, help="time limit in minutes (default: the profile's)")
+    up.add_argument("--wait-timeout-s", type=float, default=600,
+                    help="how long to wait for the allocation and Ray (default 600)")
+    up.set_defaults(func=cmd_up)
+    down = verbs.add_parser("down", help="cancel a cluster job (its Ray and running Ray jobs stop)")
+    down.add_argument("job", nargs="?", default=None, help="cluster job id (default: the newest running one)")
+    down.set_defaults(func=cmd_down)
+    p.set_defaults(func=lambda _args: (p.print_help(sys.stderr), 2)[1])
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from hpc_verl.launch import cluster
+
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status("submitting the cluster job") as spinner:
+        def progress(msg: str) -> None:
+            console.print(f"hpc-verl: {msg}", highlight=False)
+            spinner.update(msg)
+
+        rec, info = cluster.up(args.profile, args.nodes, args.sets, args.name, args.time_min,
+                               args.wait_timeout_s, progress=progress)
+    print(f"cluster job {rec.job_id} is up: {len(info.get('nodes', []))} node(s), Ray {info.get('ray_version')}")
+    print(f"  Ray Jobs address: {info['address']}")
+    print(f"  token file:       {info['token_file']}")
+    print(f"submit into it:     hpc-verl submit --cluster {rec.job_id} [--config JOB.yaml] [key=value ...]")
+    print(f"  (or)              hpc-verl submit --ray-address {info['address']} "
+          f"--ray-token-file {info['token_file']} ...")
+    print(f"stop it:            hpc-verl cluster down {rec.job_id}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from hpc_verl.launch import cluster
+
+    rec, state = cluster.down(args.job)
+    print(f"cluster job {rec.job_id}: {state}")
+    return 0
+
+
+def submit_ray(args: argparse.Namespace) -> int:
+    """``hpc-verl submit --ray-address URL | --cluster JOB``: send the job through the Ray Jobs API."""
+    from hpc_verl.errors import ConfigError
+    from hpc_verl.launch import cluster, rayjobs_ops
+
+    address, token_file, profile = args.ray_address, args.ray_token_file, args.profile
+    if args.cluster:
+        if args.ray_address:
+            raise ConfigError("give either --cluster JOB or --ray-address URL, not both")
+        crec = cluster.find(args.cluster)
+        info = cluster.ready_info(crec)
+        address = info["address"]
+        token_file = token_file or info["token_file"]
+        profile = profile or crec.profile
+    handle, rec = rayjobs_ops.submit_to_registry(profile, args.config, args.overrides, args.sets, args.name,
+                                                 ray_address=address, token_file=token_file,
+                                                 dry_run=args.dry_run)
+    if handle is None:
+        print(f"dry run: job directory {rec.job_dir}\nwould send: {rec.job_dir}/ray_job.json")
+        return 0
+    print(f"submitted Ray job {rec.submission_id} ({rec.name}) to {rec.ray_address}")
+    client_v, cluster_v = handle.cluster.client_version, handle.cluster.cluster_version
+    if client_v.split(".")[:2] != cluster_v.split(".")[:2]:
+        print(f"hpc-verl: note: Ray here is {client_v}, the cluster runs {cluster_v}; the driver uses the "
+              "cluster's Ray (both are >= 2.40, so the Jobs API works)", file=sys.stderr)
+    print(f"job directory: {rec.job_dir}")
+    print(f"follow: hpc-verl logs {rec.submission_id} --follow")
+    return 0

@@ -1,0 +1,49 @@
+"""``hpc-verl submit --profile NAME [--config JOB.yaml] [--set k=v] [key=value ...] [--dry-run]``."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("submit", help="render a job for a SLURM profile and sbatch it, or send it to a "
+                       "running Ray cluster (--ray-address / --cluster)")
+    p.add_argument("--profile", default=None, help="profile name or path (required for SLURM; with "
+                   "--ray-address it supplies the environment block and node/GPU counts)")
+    p.add_argument("--ray-address", default=None, metavar="URL",
+                   help="submit through the Ray Jobs API of this cluster, e.g. http://HEAD:8265")
+    p.add_argument("--ray-token-file", default=None, metavar="FILE",
+                   help="the cluster's Ray auth token (default: $RAY_AUTH_TOKEN(_PATH), ~/.ray/auth_token)")
+    p.add_argument("--cluster", default=None, metavar="JOB",
+                   help="submit into a cluster held by 'hpc-verl cluster up' (its id; address, token "
+                   "and profile come from the registry)")
+    p.add_argument("--config", default=None, help="job config YAML")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="profile override, e.g. --set slurm.nodes=4")
+    p.add_argument("--name", default=None, help="job name (default: from the job config)")
+    p.add_argument("--dry-run", action="store_true", help="write the job directory, do not submit")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="trainer overrides")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.ray_address or args.cluster:
+        from hpc_verl.cli.cluster import submit_ray
+
+        return submit_ray(args)
+    if not args.profile:
+        from hpc_verl.errors import ConfigError
+
+        raise ConfigError("submit needs --profile NAME (a SLURM profile; see 'hpc-verl profiles list'), "
+                          "or --ray-address URL / --cluster JOB for a running Ray cluster")
+    from hpc_verl.launch.submit import submit_job
+
+    rec = submit_job(args.profile, args.config, args.overrides, args.sets, args.name, args.dry_run)
+    if rec.job_id is None:
+        print(f"dry run: job directory {rec.job_dir}\nscript: {rec.script}\nsubmit with: sbatch {rec.script}")
+    else:
+        print(f"submitted job {rec.job_id} ({rec.name}, profile {rec.profile})")
+        print(f"job directory: {rec.job_dir}")
+        print(f"run directory: {rec.run_dir}")
+        print(f"logs: {rec.batch_log} and {rec.log_dir}/node-<node>.log")
+        print(f"follow: hpc-verl logs {rec.job_id} --follow")
+    return 0

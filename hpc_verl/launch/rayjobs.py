@@ -1,0 +1,556 @@
+"""Run a job on a Ray cluster that already exists, through Ray's Jobs API.
+
+This is the second way people run verl (seed 003, sections 2 and 4): a Ray
+cluster is up (started by hand, by an admin, or by ``hpc-verl cluster up``), and
+the training driver is sent to it like ``ray job submit --runtime-env ...
+--no-wait -- python3 -m verl.trainer.main_ppo ...``. We do the same through
+``ray.job_submission.JobSubmissionClient`` (never a shell-out), so errors are
+ours to explain: an unreachable address, a missing or wrong token, a Ray that is
+too old, a failed driver each become one line with a fix.
+
+Token authentication (Ray >= 2.52 turns it on for new clusters; the dashboard's
+HTTP middleware checks ``Authorization: Bearer <token>``): we read the token from
+a file and send the header ourselves, so the token never travels in the job's
+runtime_env (which anyone who can list jobs can read) nor in process-wide
+environment variables.
+
+``ray`` is imported inside functions only: a login node without Ray can still
+render and submit SLURM jobs.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+import shlex
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
+
+from hpc_verl.errors import SubmitError
+
+RAY_MIN_VERSION = "2.40"
+"""verl's requirement (seed 003, 2.2): older clusters have a different Jobs API."""
+
+DEFAULT_CONNECT_TIMEOUT_S = 20.0
+"""Bound on the first request (a black-holed address would otherwise hang: Ray sets none)."""
+FAILED_LOG_LINES = 20
+"""How many last log lines a 'job failed' error shows."""
+
+# Ray JobStatus -> the state vocabulary `hpc-verl status` uses for SLURM jobs too.
+_STATE_OF_RAY_STATUS = {
+    "PENDING": "PENDING",
+    "RUNNING": "RUNNING",
+    "SUCCEEDED": "COMPLETED",
+    "FAILED": "FAILED",
+    "STOPPED": "CANCELLED",
+}
+TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
+
+# Variables through which Ray's own client would silently replace the address we
+# were given: `--ray-address` must mean what it says.
+_ADDRESS_OVERRIDE_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+
+
+class RayJobsError(SubmitError):
+    """Talking to a Ray cluster's Jobs API failed (base of the errors below)."""
+
+
+class RayUnreachableError(RayJobsError):
+    """Nothing (or no Ray dashboard) answers at the address."""
+
+
+class RayAuthError(RayJobsError):
+    """The cluster wants a token and we sent none, or a wrong one."""
+
+
+class RayVersionError(RayJobsError):
+    """Client or cluster Ray is older than verl supports."""
+
+
+class RayJobFailedError(RayJobsError):
+    """The driver exited non-zero; the message carries its last log lines."""
+
+
+# --------------------------------------------------------------------------- address / token
+
+
+def normalize_address(address: str) -> str:
+    """``HOST:PORT`` or ``http(s)://HOST:PORT`` -> ``http(s)://HOST:PORT`` (no trailing /)."""
+    addr = (address or "").strip().rstrip("/")
+    if not addr:
+        raise RayJobsError("--ray-address is empty; give the Ray dashboard address, "
+                           "e.g. --ray-address http://HEAD:8265")
+    if addr.startswith("ray://"):
+        raise RayJobsError(f"--ray-address {address}: a Ray Client address (ray://) is not the "
+                           "Jobs API; give the dashboard address instead, e.g. http://HEAD:8265")
+    if "://" not in addr:
+        addr = "http://" + addr
+    scheme = addr.split("://", 1)[0]
+    if scheme not in ("http", "https"):
+        raise RayJobsError(f"--ray-address {address}: scheme '{scheme}' is not supported; "
+                           "use http://HEAD:8265 (or https://)")
+    if not re.match(r"^https?://[^/:\s]+(:\d+)?(/.*)?$", addr):
+        raise RayJobsError(f"--ray-address {address}: not an address; use http://HEAD:8265")
+    return addr
+
+
+@dataclass(frozen=True)
+class RayToken:
+    """A token and where it came from (the source goes into error messages, never the value)."""
+
+    value: str
+    source: str
+
+
+def resolve_token(token_file: str | os.PathLike[str] | None = None,
+                  env: Mapping[str, str] | None = None) -> RayToken | None:
+    """Find the Ray auth token: the given file, else Ray's own places.
+
+    Order: ``token_file``; ``$RAY_AUTH_TOKEN``; ``$RAY_AUTH_TOKEN_PATH``;
+    ``~/.ray/auth_token`` (the same places Ray's CLI looks, so a user who already
+    uses ``ray job submit`` needs nothing new). ``None`` when there is none.
+    """
+    env = os.environ if env is None else env
+    if token_file:
+        return _read_token_file(Path(token_file).expanduser(), "--ray-token-file")
+    if env.get("RAY_AUTH_TOKEN", "").strip():
+        return RayToken(env["RAY_AUTH_TOKEN"].strip(), "$RAY_AUTH_TOKEN")
+    if env.get("RAY_AUTH_TOKEN_PATH"):
+        return _read_token_file(Path(env["RAY_AUTH_TOKEN_PATH"]).expanduser(), "$RAY_AUTH_TOKEN_PATH")
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    default = home / ".ray" / "auth_token"
+    if default.is_file():
+        return _read_token_file(default, "~/.ray/auth_token")
+    return None
+
+
+def _read_token_file(path: Path, how: str) -> RayToken:
+    try:
+        value = path.read_text().strip()
+    except FileNotFoundError:
+        raise RayAuthError(f"Ray token file {path} (from {how}) does not exist; pass the token "
+                           "file printed by `hpc-verl cluster up` (or `ray get-auth-token`)") from None
+    except OSError as exc:
+        raise RayAuthError(f"Ray token file {path} (from {how}) cannot be read ({exc.strerror}); "
+                           "fix its permissions (chmod 600, owned by you)") from None
+    if not value:
+        raise RayAuthError(f"Ray token file {path} (from {how}) is empty; pass the token file "
+                           "printed by `hpc-verl cluster up`")
+    return RayToken(value, f"{path}")
+
+
+# --------------------------------------------------------------------------- connection
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in re.split(r"[.+-]", version):
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts) or (0,)
+
+
+def check_versions(client_version: str, cluster_version: str, address: str) -> None:
+    """Both Rays must be >= RAY_MIN_VERSION; the message reports both versions."""
+    minimum = _version_tuple(RAY_MIN_VERSION)
+    old = [who for who, v in (("client", client_version), ("cluster", cluster_version))
+           if _version_tuple(v) < minimum]
+    if old:
+        fix = ("upgrade the cluster's Ray (pip install -U 'ray[default]>=2.40' in its environment)"
+               if "cluster" in old else "upgrade Ray here: pip install -U 'ray[default]>=2.40'")
+        raise RayVersionError(
+            f"Ray version mismatch: client {client_version}, cluster {cluster_version} at "
+            f"{address}; hpc-verl needs Ray >= {RAY_MIN_VERSION} on both; {fix}")
+
+
+@contextmanager
+def _address_env_cleared() -> Iterator[None]:
+    """Ray's client lets RAY_ADDRESS/RAY_API_SERVER_ADDRESS override our address: hide them."""
+    saved = {k: os.environ.pop(k) for k in _ADDRESS_OVERRIDE_VARS if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _probe(address: str, headers: Mapping[str, str], token: RayToken | None,
+           timeout_s: float) -> str:
+    """GET /api/version with a bounded timeout; map every failure to one line. Returns the cluster version."""
+    import requests
+
+    url = f"{address}/api/version"
+    try:
+        resp = requests.get(url, headers=dict(headers), timeout=timeout_s)
+    except requests.exceptions.Timeout:
+        raise RayUnreachableError(
+            f"Ray Jobs API at {address} did not answer within {timeout_s:g}s; check the address "
+            "(head node name, dashboard port, default 8265) and that the cluster is up "
+            "(`hpc-verl list` shows cluster jobs)") from None
+    except requests.exceptions.RequestException as exc:
+        reason = _short_reason(exc)
+        raise RayUnreachableError(
+            f"cannot reach the Ray Jobs API at {address} ({reason}); check the address (the "
+            "dashboard port printed by `hpc-verl cluster up`, default 8265) and that the "
+            "cluster is up") from None
+    if resp.status_code == 401:
+        raise RayAuthError(
+            f"Ray cluster at {address} requires an auth token and none was sent; pass "
+            "--ray-token-file FILE (printed by `hpc-verl cluster up`) or set RAY_AUTH_TOKEN_PATH")
+    if resp.status_code == 403:
+        src = token.source if token else "?"
+        raise RayAuthError(
+            f"Ray cluster at {address} rejected the auth token from {src} (403 invalid token); "
+            "pass the token file of that cluster with --ray-token-file")
+    if resp.status_code == 404:
+        raise RayUnreachableError(
+            f"{address} answers HTTP but is not a Ray Jobs API (404 on /api/version); give the "
+            "Ray dashboard address (default port 8265), not the GCS or client port")
+    try:
+        resp.raise_for_status()
+        return str(resp.json()["ray_version"])
+    except Exception:  # noqa: BLE001 - any malformed answer means "not a Ray dashboard"
+        raise RayUnreachableError(
+            f"{address} did not answer like a Ray dashboard (HTTP {resp.status_code} on "
+            "/api/version); give the Ray dashboard address, e.g. http://HEAD:8265") from None
+
+
+def _short_reason(exc: BaseException) -> str:
+    text = str(exc)
+    if re.search(r"BadStatusLine|Remote end closed connection|RemoteDisconnected", text):
+        return "it does not speak HTTP: is this the GCS or Ray Client port?"
+    for pattern in (r"Connection refused", r"Name or service not known",
+                    r"No route to host", r"Temporary failure in name resolution",
+                    r"Connection reset by peer"):
+        if re.search(pattern, text):
+            return pattern.lower()
+    return type(exc).__name__
+
+
+@dataclass
+class RayCluster:
+    """A connected Jobs API client plus what we learned connecting (versions, token source)."""
+
+    address: str
+    client: Any  # ray.job_submission.JobSubmissionClient
+    client_version: str
+    cluster_version: str
+    token_source: str | None = None
+
+    # ------------------------------------------------------------------ jobs
+    def submit(self, entrypoint: str, runtime_env: Mapping[str, Any] | None = None, *,
+               submission_id: str | None = None, metadata: Mapping[str, str] | None = None,
+               entrypoint_num_cpus: float | None = None,
+               entrypoint_num_gpus: float | None = None) -> str:
+        """Submit a driver; returns the submission id (Ray's ``--no-wait``)."""
+        kwargs: dict[str, Any] = {}
+        if entrypoint_num_cpus is not None:
+            kwargs["entrypoint_num_cpus"] = entrypoint_num_cpus
+        if entrypoint_num_gpus is not None:
+            kwargs["entrypoint_num_gpus"] = entrypoint_num_gpus
+        with self._errors("submit a job to"):
+            return self.client.submit_job(
+                entrypoint=entrypoint, runtime_env=dict(runtime_env or {}) or None,
+                submission_id=submission_id, metadata=dict(metadata or {}) or None, **kwargs)
+
+    def info(self, submission_id: str) -> Any:
+        with self._errors("query", submission_id):
+            return self.client.get_job_info(submission_id)
+
+    def state(self, submission_id: str) -> str:
+        """PENDING / RUNNING / COMPLETED / FAILED / CANCELLED (SLURM's words)."""
+        return state_of(self.info(submission_id).status)
+
+    def logs(self, submission_id: str) -> str:
+        with self._errors("read logs of", submission_id):
+            return self.client.get_job_logs(submission_id)
+
+    def follow(self, submission_id: str, write: Callable[[str], Any]) -> str:
+        """Stream the driver's output until the job ends; returns the final state."""
+        async def _tail() -> None:
+            async for chunk in self.client.tail_job_logs(submission_id):
+                write(chunk)
+
+        with self._errors("follow logs of", submission_id), warnings.catch_warnings():
+            # Ray's websocket call trips an aiohttp deprecation warning (ssl=None): not ours to show.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            asyncio.run(_tail())
+        # The websocket closes when the job is terminal, but the status may lag a moment.
+        deadline = time.monotonic() + 10
+        while True:
+            state = self.state(submission_id)
+            if state in TERMINAL_STATES or time.monotonic() > deadline:
+                return state
+            time.sleep(0.2)
+
+    def stop(self, submission_id: str) -> bool:
+        """Ask Ray to stop the driver (SIGTERM, then SIGKILL after Ray's grace period)."""
+        with self._errors("stop", submission_id):
+            return bool(self.client.stop_job(submission_id))
+
+    def wait(self, submission_id: str, timeout_s: float | None = None,
+             poll_s: float = 0.5) -> str:
+        """Block until the job is terminal; returns its state (no exception on failure)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            state = self.state(submission_id)
+            if state in TERMINAL_STATES:
+                return state
+            if deadline is not None and time.monotonic() > deadline:
+                return state
+            time.sleep(poll_s)
+
+    def failure(self, submission_id: str, lines: int = FAILED_LOG_LINES) -> RayJobFailedError:
+        """A one-line error for a failed job followed by its last log lines."""
+        info = self.info(submission_id)
+        tail = last_lines(self.logs(submission_id), lines)
+        why = short_message(info.message) or "driver failed"
+        code = getattr(info, "driver_exit_code", None)
+        head = (f"Ray job {submission_id} failed"
+                + (f" (exit code {code})" if code is not None else "")
+                + f": {why}; see `hpc-verl logs {submission_id}` for the full log")
+        return RayJobFailedError(head + ("\n--- last log lines ---\n" + tail if tail else ""))
+
+    @contextmanager
+    def _errors(self, verb: str, submission_id: str | None = None) -> Iterator[None]:
+        """Ray raises RuntimeError/ConnectionError/AuthenticationError: make them one line."""
+        try:
+            yield
+        except RayJobsError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - Ray's client uses plain RuntimeError
+            raise _translate(exc, verb, self.address, submission_id) from None
+
+
+def _translate(exc: BaseException, verb: str, address: str, submission_id: str | None) -> RayJobsError:
+    text = str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    name = type(exc).__name__
+    what = f"job {submission_id} on {address}" if submission_id else address
+    if name == "AuthenticationError":
+        return RayAuthError(f"Ray cluster at {address} refused our token while trying to {verb} "
+                            f"{what}: {first}; pass the cluster's token file with --ray-token-file")
+    if "does not exist" in text or "404" in text and submission_id:
+        return RayJobsError(f"Ray job {submission_id} is not known to the cluster at {address} "
+                            "(it may have been restarted); check `hpc-verl list`")
+    if isinstance(exc, ConnectionError) or "Connection" in name or "connect" in text.lower():
+        return RayUnreachableError(f"lost the Ray Jobs API at {address} while trying to {verb} "
+                                   f"{what} ({_short_reason(exc)}); check that the cluster is still up")
+    return RayJobsError(f"could not {verb} {what}: {first}")
+
+
+def connect(address: str, token_file: str | os.PathLike[str] | None = None, *,
+            timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+            env: Mapping[str, str] | None = None) -> RayCluster:
+    """Connect to a cluster's Jobs API, checking reachability, token and versions first.
+
+    The check is a bounded ``GET /api/version`` (Ray's own client has no timeout
+    and would hang on a black-holed address), so every failure is one line.
+    """
+    try:
+        import ray
+        from ray.job_submission import JobSubmissionClient
+    except ImportError:
+        raise RayJobsError("Ray is not installed here; install it with "
+                           "pip install 'hpc_verl[ray]' (Ray >= 2.40 with the dashboard extras)") from None
+    _quiet_ray_client_logs()
+    addr = normalize_address(address)
+    token = resolve_token(token_file, env=env)
+    headers = {"Authorization": f"Bearer {token.value}"} if token else {}
+    cluster_version = _probe(addr, headers, token, timeout_s)
+    check_versions(ray.__version__, cluster_version, addr)
+    with _address_env_cleared():
+        try:
+            client = JobSubmissionClient(addr, headers=headers or None)
+        except Exception as exc:  # noqa: BLE001
+            raise _translate(exc, "connect to", addr, None) from None
+    return RayCluster(address=addr, client=client, client_version=ray.__version__,
+                      cluster_version=cluster_version, token_source=token.source if token else None)
+
+
+def _quiet_ray_client_logs() -> None:
+    """Ray's SDK logs INFO lines (websocket closed, uploading package) to stderr: keep our output ours."""
+    import logging
+
+    for name in ("ray.dashboard.modules.job.sdk", "ray.dashboard.modules.dashboard_sdk",
+                 "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def state_of(ray_status: Any) -> str:
+    """Ray's JobStatus (enum or string) -> our state word."""
+    raw = getattr(ray_status, "value", ray_status)
+    return _STATE_OF_RAY_STATUS.get(str(raw).upper(), str(raw).upper())
+
+
+def short_message(message: str | None) -> str:
+    """Ray's job message without the log copy it appends ("..., last available logs ...")."""
+    first = (message or "").strip().splitlines()[0] if (message or "").strip() else ""
+    return re.split(r",\s*last available logs", first)[0].rstrip(" :")
+
+
+def last_lines(text: str, n: int = FAILED_LOG_LINES) -> str:
+    lines = [ln for ln in (text or "").rstrip("\n").splitlines()]
+    return "\n".join(lines[-n:])
+
+
+# --------------------------------------------------------------------------- what to run
+
+
+BUILTIN_TRAINER_MODULE = "hpc_verl.trainer.main"
+VERL_TRAINER_MODULE = "verl.trainer.main_ppo"
+
+
+@dataclass
+class DriverSpec:
+    """The driver process Ray runs: the built-in trainer, upstream verl, or any command."""
+
+    argv: list[str]
+
+    @classmethod
+    def for_module(cls, module: str, args: Sequence[str] = (), python: str = "python3") -> "DriverSpec":
+        return cls([python, "-m", module, *args])
+
+    @classmethod
+    def for_trainer(cls, trainer: str, overrides: Sequence[str] = (),
+                    python: str = "python3") -> "DriverSpec":
+        """``builtin`` (hpc_verl.trainer.main) or ``verl`` (verl.trainer.main_ppo)."""
+        module = {"builtin": BUILTIN_TRAINER_MODULE, "verl": VERL_TRAINER_MODULE}.get(trainer)
+        if module is None:
+            raise RayJobsError(f"unknown trainer '{trainer}'; use builtin or verl (or give a command)")
+        return cls.for_module(module, overrides, python)
+
+    @classmethod
+    def for_command(cls, command: Sequence[str], args: Sequence[str] = ()) -> "DriverSpec":
+        if not command or not all(isinstance(c, str) and c for c in command):
+            raise RayJobsError("the driver command must be a non-empty list of strings "
+                               "(e.g. [python3, train.py])")
+        return cls([*command, *args])
+
+    @property
+    def module(self) -> str | None:
+        """The ``-m`` module the driver runs, if any."""
+        if "-m" in self.argv[:-1]:
+            return self.argv[self.argv.index("-m") + 1]
+        return None
+
+    @property
+    def runs_hpc_verl(self) -> bool:
+        return (self.module or "").split(".")[0] == "hpc_verl"
+
+    def entrypoint(self) -> str:
+        """The shell line Ray runs; every piece quoted (Ray passes it to a shell)."""
+        return shlex.join(self.argv)
+
+
+def build_runtime_env(env_vars: Mapping[str, Any] | None = None, *,
+                      working_dir: str | os.PathLike[str] | None = None,
+                      pip: Sequence[str] | None = None,
+                      py_modules: Sequence[str | os.PathLike[str]] | None = None,
+                      excludes: Sequence[str] | None = None,
+                      base_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """A Ray runtime_env from the profile's environment and the job's files/packages.
+
+    Local paths are made absolute (relative to ``base_dir``: the job config's
+    directory) and must exist, so a typo fails here, not as an upload error.
+    """
+    base = Path(base_dir) if base_dir else Path.cwd()
+    env: dict[str, Any] = {}
+    if env_vars:
+        env["env_vars"] = {str(k): str(v) for k, v in env_vars.items()}
+    if working_dir:
+        env["working_dir"] = _local_or_uri(working_dir, base, "working_dir")
+    if py_modules:
+        env["py_modules"] = [_local_or_uri(p, base, "py_modules") for p in py_modules]
+    if pip:
+        env["pip"] = [str(p) for p in pip]
+    if excludes:
+        env["excludes"] = [str(e) for e in excludes]
+    return env
+
+
+def _local_or_uri(value: str | os.PathLike[str], base: Path, key: str) -> str:
+    text = str(value)
+    if "://" in text:  # s3://, gs://, https:// packages: Ray fetches them itself
+        return text
+    path = (base / Path(text).expanduser()).resolve()
+    if not path.exists():
+        raise RayJobsError(f"job config: ray.{key} path {path} does not exist; fix the path "
+                           "(relative paths are taken from the job config's directory)")
+    return str(path)
+
+
+def hpc_verl_package_dir() -> str:
+    """The hpc_verl package directory, shipped as a py_module so the built-in trainer
+    runs on clusters where hpc_verl is not installed."""
+    import hpc_verl
+
+    return str(Path(hpc_verl.__file__).resolve().parent)
+
+
+def new_submission_id(name: str) -> str:
+    """Readable and unique: ``hpcverl-<name>-<UTC time>-<4 hex>``."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()[:32] or "job"
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"hpcverl-{slug}-{stamp}-{secrets.token_hex(2)}"
+
+
+# --------------------------------------------------------------------------- handle
+
+
+class RayJobHandle:
+    """What ``hpc_verl.submit(..., ray_address=...)`` returns: state, logs, wait, stop.
+
+    Reconnects lazily (a handle can be rebuilt from a registry record in another
+    process); the token is re-read from its file, never stored.
+    """
+
+    def __init__(self, address: str, submission_id: str, token_file: str | None = None,
+                 cluster: RayCluster | None = None) -> None:
+        self.address = address
+        self.submission_id = submission_id
+        self.job_id = submission_id
+        self.token_file = token_file
+        self._cluster = cluster
+
+    @property
+    def cluster(self) -> RayCluster:
+        if self._cluster is None:
+            self._cluster = connect(self.address, self.token_file)
+        return self._cluster
+
+    @property
+    def state(self) -> str:
+        return self.cluster.state(self.submission_id)
+
+    def done(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def logs(self) -> str:
+        return self.cluster.logs(self.submission_id)
+
+    def follow(self, out: TextIO | None = None) -> str:
+        stream = out or sys.stdout
+        return self.cluster.follow(self.submission_id, lambda s: (stream.write(s), stream.flush()))
+
+    def wait(self, timeout_s: float | None = None, check: bool = True) -> str:
+        """Wait for the end; with ``check`` a failed job raises RayJobFailedError (last lines)."""
+        state = self.cluster.wait(self.submission_id, timeout_s)
+        if check and state == "FAILED":
+            raise self.cluster.failure(self.submission_id)
+        return state
+
+    def stop(self) -> bool:
+        return self.cluster.stop(self.submission_id)
+
+    cancel = stop
+
+    def __repr__(self) -> str:
+        return f"RayJobHandle({self.submission_id!r} on {self.address})"

@@ -1,0 +1,150 @@
+"""Session fixtures for the real SLURM test bed (used by tests marked ``slurm``).
+
+``slurm_testbed`` brings up munge, slurmctld and two slurmd in a temp dir of its
+own (or reuses ``$HPC_VERL_TESTBED_DIR`` when a person started one with
+``scripts/testbed.sh up``; that one is left running), writes this machine's
+test bed profiles, builds the podman image, and tears everything down at the end.
+GPUs are fake (empty device files behind SLURM's gres); everything else is real.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Bed:
+    """What a test needs to submit jobs to the test bed."""
+
+    dir: Path
+    env: dict[str, str]
+    temp_root: str
+    podman_image: str | None = None
+    submitted: list[int] = field(default_factory=list)
+
+    def cli(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hpc_verl", *args], env={**self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=timeout, cwd=str(self.dir))
+
+    def slurm(self, *cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=60)
+
+    def job_state(self, job_id: int) -> str:
+        from hpc_verl.launch import slurm
+
+        info = slurm.job_info(job_id, env=self.env)
+        return info.state if info else "UNKNOWN"
+
+    def wait_state(self, job_id: int, states: set[str], timeout_s: float = 240) -> str:
+        """Poll until the job reaches one of ``states`` (a hang fails the test here)."""
+        deadline = time.monotonic() + timeout_s
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.job_state(job_id)
+            if state in states:
+                return state
+            time.sleep(1)
+        raise AssertionError(f"job {job_id} still {state} after {timeout_s}s (wanted {states})")
+
+
+def _short_tmp() -> str:
+    # Ray's Unix sockets live under the temp root: keep it short
+    return tempfile.mkdtemp(prefix="hpcvt", dir="/tmp")
+
+
+@pytest.fixture(scope="session")
+def slurm_testbed():
+    from hpc_verl.testbed import TestBed
+    from hpc_verl.testbed.profiles import write_profiles
+
+    for tool in ("slurmctld", "slurmd", "munged", "sbatch"):
+        if not (shutil.which(tool) or os.path.exists(f"/usr/sbin/{tool}")):
+            pytest.fail(f"{tool} missing: run 'bash scripts/setup.sh' (the README's test command does)")
+    given = os.environ.get("HPC_VERL_TESTBED_DIR")
+    bed_dir = Path(given) if given else Path(tempfile.mkdtemp(prefix="hpcv-testbed-"))
+    bed = TestBed(bed_dir)
+    owned = not bed.is_up()
+    bed.up()
+    temp_root = _short_tmp()
+    image = None
+    if shutil.which("podman"):
+        from hpc_verl.testbed.image import build_image
+
+        image = build_image(sys.executable)
+    prof_dir = write_profiles(bed_dir / "profiles", sys.executable, temp_root=temp_root, image=image,
+                              readiness_timeout_s=90)
+    home = bed_dir / "home"
+    env = {**os.environ, **bed.env(), "HPC_VERL_HOME": str(home), "HPC_VERL_PROFILE_PATH": str(prof_dir),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    for k in ("HPC_VERL_FAULT", "HPC_VERL_FAULT_NODE", "RAY_ADDRESS"):
+        env.pop(k, None)
+    b = Bed(bed_dir, env, temp_root, image)
+    try:
+        yield b
+    finally:
+        if owned:
+            bed.down()
+            shutil.rmtree(bed_dir, ignore_errors=True)
+        shutil.rmtree(temp_root, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- leftovers
+def _listening_ports() -> set[int]:
+    ports = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A":  # LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def leftovers(job_dir: str, job_id: int, wait_s: float = 30) -> list[str]:
+    """Ray processes, containers or listening ports of this job still around (empty = clean).
+
+    Polls up to ``wait_s``: SLURM finishes a job's steps shortly after it reports the state.
+    """
+    from hpc_verl.bootstrap import procs
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found: list[str] = []
+        ray = Path(job_dir) / "ray" / "nodes"
+        for p in sorted(ray.glob("*.json")) if ray.exists() else []:
+            st = json.loads(p.read_text())
+            for pid in [st.get("supervisor_pid"), st.get("raylet_pid"), *st.get("ray_pids", [])]:
+                if pid and procs.alive(pid) and st.get("role") and not _in_container(st):
+                    found.append(f"{p.stem}: pid {pid} ({procs.comm(pid)}) alive")
+            ports = st.get("ports") or {}
+            if ports:
+                mine = set(range(ports["block_start"], ports["block_start"] + 100))
+                busy = sorted(mine & _listening_ports())
+                if busy:
+                    found.append(f"{p.stem}: ports {busy} still listening")
+        if shutil.which("podman"):
+            out = subprocess.run(["podman", "--runtime", "runc", "--cgroup-manager=cgroupfs", "ps", "-a",
+                                  "--format", "{{.Names}}"], capture_output=True, text=True).stdout.split()
+            found += [f"container {n}" for n in out if n.startswith(f"hpcv-{job_id}-")]
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
+def _in_container(state: dict) -> bool:
+    # pids recorded inside a container's PID namespace mean nothing on the host; the container check covers them
+    return bool(state.get("in_container"))

@@ -1,0 +1,214 @@
+"""Unit tests of the node bootstrap: hostlist, port block, IP selection, barrier failure modes."""
+from __future__ import annotations
+
+import io
+import socket
+import subprocess
+
+import pytest
+
+from hpc_verl.bootstrap.barrier import Barrier, ClusterView, parse_pids
+from hpc_verl.bootstrap.hostlist import expand_hostlist
+from hpc_verl.bootstrap.netif import select_ip
+from hpc_verl.bootstrap.plan import node_slots, parse_node_hosts, write_node_state, write_plan
+from hpc_verl.bootstrap.ports import HEAD_FIXED, busy_ports, pick_node_ports, port_block
+from hpc_verl.errors import BootstrapError
+from hpc_verl.util.fs import atomic_write_json
+
+
+# ----------------------------------------------------------------------------- hostlist
+@pytest.mark.parametrize("text,expected", [
+    ("node1", ["node1"]),
+    ("node[1-3]", ["node1", "node2", "node3"]),
+    ("gpu[01-03,7]", ["gpu01", "gpu02", "gpu03", "gpu7"]),
+    ("gpu[008-010]", ["gpu008", "gpu009", "gpu010"]),
+    ("n[9-11]", ["n9", "n10", "n11"]),
+    ("a[1-2]-ib,b3", ["a1-ib", "a2-ib", "b3"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("x[1-2],x2,x3", ["x1", "x2", "x3"]),
+])
+def test_expand_hostlist(text, expected):
+    assert expand_hostlist(text) == expected
+
+
+@pytest.mark.parametrize("text,needle", [("node[1-", "unbalanced"), ("node1]", "unbalanced"),
+                                         ("node[3-1]", "backwards"), ("node[a-b]", "bad range")])
+def test_expand_hostlist_errors(text, needle):
+    with pytest.raises(BootstrapError, match=needle):
+        expand_hostlist(text)
+
+
+# ----------------------------------------------------------------------------- ports
+def test_port_block_layout_is_disjoint_and_job_derived():
+    a = port_block(7, port_base=20000, port_stride=100, port_slots=120)
+    b = port_block(8, port_base=20000, port_stride=100, port_slots=120)
+    assert a.block_start == 20700 and b.block_start == 20800
+    assert not set(a.all_ports(head=True)) & set(b.all_ports(head=True))
+    # every port of the block is inside the job's stride
+    assert all(a.block_start <= p < a.block_start + 100 for p in a.all_ports(head=True))
+    assert a.gcs == 20700 and a.node_manager == 20700 + HEAD_FIXED
+
+
+def test_two_nodes_of_one_job_on_one_host_do_not_share_ports():
+    n0 = port_block(3, node_slot=0, nodes_per_host=2)
+    n1 = port_block(3, node_slot=1, nodes_per_host=2)
+    assert not set(n0.all_ports(head=True)) & set(n1.all_ports(head=False))
+    assert n1.max_worker < n0.block_start + 100
+
+
+def test_ray_start_args_pin_every_port():
+    args = " ".join(port_block(5).ray_start_args(head=True))
+    for flag in ("--port=", "--dashboard-port=", "--ray-client-server-port=", "--node-manager-port=",
+                 "--object-manager-port=", "--dashboard-agent-listen-port=", "--dashboard-agent-grpc-port=",
+                 "--runtime-env-agent-port=", "--metrics-export-port=", "--min-worker-port=", "--max-worker-port="):
+        assert flag in args
+    assert "--port=" not in " ".join(port_block(5).ray_start_args(head=False))
+
+
+def test_port_layout_errors():
+    with pytest.raises(BootstrapError, match="port_stride"):
+        port_block(1, port_stride=20, nodes_per_host=4)
+    with pytest.raises(BootstrapError, match="65535"):
+        port_block(1, port_base=65000, port_stride=1000, port_slots=10)
+
+
+def test_pick_node_ports_moves_off_a_taken_block():
+    want = port_block(11, port_base=24000, port_stride=100, port_slots=50)
+    with socket.socket() as s:
+        s.bind(("", want.node_manager))
+        s.listen()
+        assert busy_ports([want.node_manager]) == [want.node_manager]
+        got = pick_node_ports(11, head=True, port_base=24000, port_stride=100, port_slots=50)
+    assert got.block_start != want.block_start
+    assert want.node_manager not in got.all_ports(head=True)
+
+
+# ----------------------------------------------------------------------------- IP selection
+IFACES = {"lo": "127.0.0.1", "docker0": "172.17.0.1", "eth0": "10.1.2.3", "ib0": "10.9.0.5"}
+
+
+def test_select_ip_named_interface():
+    assert select_ip("ib0", available=IFACES, default_iface="eth0") == "10.9.0.5"
+
+
+def test_select_ip_auto_prefers_default_route_and_skips_bridges():
+    assert select_ip(None, available=IFACES, default_iface="eth0") == "10.1.2.3"
+    assert select_ip("auto", available={"lo": "127.0.0.1", "docker0": "172.17.0.1", "ib0": "10.9.0.5"},
+                     default_iface="docker0") == "10.9.0.5"
+
+
+def test_select_ip_refuses_loopback_and_bridges():
+    with pytest.raises(BootstrapError, match="loopback"):
+        select_ip("lo", available=IFACES)
+    with pytest.raises(BootstrapError, match="bridge"):
+        select_ip("docker0", available=IFACES)
+    with pytest.raises(BootstrapError, match="no IPv4 address.*interfaces here: docker0="):
+        select_ip("eth7", available=IFACES)
+    with pytest.raises(BootstrapError, match="no usable IPv4"):
+        select_ip(None, available={"lo": "127.0.0.1", "docker0": "172.17.0.1"})
+
+
+def test_select_ip_loopback_only_when_the_profile_allows_it():
+    only_lo = {"lo": "127.0.0.1"}
+    assert select_ip("lo", allow_loopback=True, available=only_lo) == "127.0.0.1"
+    assert select_ip(None, allow_loopback=True, available=only_lo) == "127.0.0.1"
+    # allowed, but a routable address still wins
+    assert select_ip(None, allow_loopback=True, available={**only_lo, "eth0": "10.1.2.3"}) == "10.1.2.3"
+
+
+def test_select_ip_on_this_machine_finds_something():
+    assert select_ip(None, allow_loopback=True)
+
+
+# ----------------------------------------------------------------------------- node slots
+def test_node_slots_from_hosts():
+    hosts = parse_node_hosts("node1=vm,node2=vm,node3=other,")
+    slots, per_host = node_slots(["node1", "node2", "node3"], hosts)
+    assert slots == {"node1": 0, "node2": 1, "node3": 0} and per_host == 2
+
+
+# ----------------------------------------------------------------------------- barrier
+def _plan(tmp_path, nodes="n[1-3]", timeout_s=5.0):
+    return write_plan(str(tmp_path), 42, nodes, gpus_per_node=2, num_cpus=1, port_base=20000, port_stride=100,
+                      port_slots=120, interface=None, allow_loopback=True, temp_dir_root=str(tmp_path / "t"),
+                      dashboard=False, dashboard_host="127.0.0.1", timeout_s=timeout_s, python="python3",
+                      node_hosts="n1=a,n2=b,n3=c")
+
+
+def _head(tmp_path):
+    atomic_write_json(tmp_path / "ray" / "head.json", {"address": "127.0.0.1:1", "dashboard_host": "127.0.0.1",
+                                                       "dashboard_port": 2, "node": "n1"})
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_plan_writes_private_token(tmp_path):
+    plan = _plan(tmp_path)
+    assert plan["nodes"] == ["n1", "n2", "n3"] and plan["head"] == "n1"
+    token = tmp_path / "ray" / "token"
+    assert oct(token.stat().st_mode & 0o777) == "0o600" and len(token.read_text()) == 64
+    assert oct((tmp_path / "ray").stat().st_mode & 0o777) == "0o700"
+
+
+def test_barrier_ready_writes_env(tmp_path, sleeper):
+    _plan(tmp_path)
+    _head(tmp_path)
+    views = iter([ClusterView(error="not yet"), ClusterView(["n1", "n2"], 4), ClusterView(["n1", "n2", "n3"], 6)])
+    out = io.StringIO()
+    res = Barrier(str(tmp_path), {sleeper.pid: "head"}, view=lambda a, t: next(views), poll_s=0.01, out=out).wait()
+    assert res["gpus"] == 6 and sorted(res["nodes"]) == ["n1", "n2", "n3"]
+    env = (tmp_path / "ray" / "env.sh").read_text()
+    assert "export RAY_ADDRESS=127.0.0.1:1" in env and "RAY_AUTH_MODE=token" in env
+    assert "RAY_AUTH_TOKEN_PATH=" in env and "Ray ready: 3 nodes, 6 GPUs" in out.getvalue()
+
+
+def test_barrier_times_out_naming_the_missing_node(tmp_path, sleeper):
+    _plan(tmp_path, timeout_s=1.5)
+    _head(tmp_path)
+    write_node_state(str(tmp_path), "n3", state="starting", node="n3")
+    out = io.StringIO()
+    with pytest.raises(BootstrapError, match=r"2/3 nodes, 4/6 GPUs; missing node\(s\): n3"):
+        Barrier(str(tmp_path), {sleeper.pid: "workers"}, view=lambda a, t: ClusterView(["n1", "n2"], 4),
+                poll_s=0.05, out=out).wait()
+    text = out.getvalue()
+    assert "node n3: NOT joined; state=starting" in text and "srun step workers" in text
+
+
+@pytest.mark.timeout(120)  # the barrier's own bound is 300 s: waiting for it would fail here
+def test_barrier_fails_fast_when_an_srun_step_dies(tmp_path):
+    _plan(tmp_path, timeout_s=300)
+    _head(tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with pytest.raises(BootstrapError, match=r"srun step for workers .* exited; node\(s\) not running: n2, n3"):
+        Barrier(str(tmp_path), {dead.pid: "workers"}, view=lambda a, t: ClusterView(["n1"], 2), poll_s=0.05,
+                out=io.StringIO()).wait()
+
+
+@pytest.mark.timeout(120)
+def test_barrier_fails_fast_on_a_node_report(tmp_path, sleeper):
+    _plan(tmp_path, timeout_s=300)
+    write_node_state(str(tmp_path), "n2", state="failed", error="ray start exited 1", node="n2")
+    with pytest.raises(BootstrapError, match="failed on node n2: ray start exited 1"):
+        Barrier(str(tmp_path), {sleeper.pid: "workers"}, view=lambda a, t: ClusterView(), poll_s=0.05,
+                out=io.StringIO()).wait()
+
+
+def test_barrier_gpu_shortfall_is_reported(tmp_path, sleeper):
+    _plan(tmp_path, timeout_s=1.0)
+    _head(tmp_path)
+    with pytest.raises(BootstrapError, match="3/3 nodes, 3/6 GPUs"):
+        Barrier(str(tmp_path), {sleeper.pid: "head"}, view=lambda a, t: ClusterView(["n1", "n2", "n3"], 3),
+                poll_s=0.05, out=io.StringIO()).wait()
+
+
+def test_parse_pids():
+    assert parse_pids("12:head 13:workers") == {12: "head", 13: "workers"}
+    with pytest.raises(BootstrapError):
+        parse_pids("x:head")
