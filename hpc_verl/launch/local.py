@@ -121,6 +121,8 @@ def reap(job_dir: str, grace_s: float = 30.0) -> int:
 
 
 def _finish(rec: registry.JobRecord, rc: int) -> None:
+    if rc < 0:  # killed by a signal: the shell's convention, 128 + signal number
+        rc = 128 - rc
     killed = reap(rec.job_dir)
     if killed:
         print(f"hpc-verl: killed {killed} processes the job left behind", file=sys.stderr)

@@ -164,6 +164,9 @@ def submit(profile: str | None = None, config: str | None = None, overrides: Seq
         return handle
     if not profile:
         raise ConfigError("submit() needs a profile name (or ray_address=... for a running Ray cluster)")
+    if _load_profile(profile, sets).scheduler != "slurm":
+        raise ConfigError(f"submit(): profile {profile} does not use SLURM; run it with "
+                          "hpc_verl.launch.submit.submit_job(...) or 'hpc-verl submit --profile ...'")
     import submitit
 
     rec = prepare(profile, config, overrides, sets, name)
