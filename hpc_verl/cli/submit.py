@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     if rec.scheduler == "local" and not rec.dry_run:
         return _report_local(rec)
     if rec.job_id is None:
-        print(f"dry run: job directory {rec.job_dir}\nscript: {rec.script}\nsubmit with: sbatch {rec.script}")
+        how = f"bash {rec.script}" if rec.scheduler == "local" else f"sbatch {rec.script}"
+        print(f"dry run: job directory {rec.job_dir}\nscript: {rec.script}\nsubmit with: {how}")
     else:
         print(f"submitted job {rec.job_id} ({rec.name}, profile {rec.profile})")
         print(f"job directory: {rec.job_dir}")
