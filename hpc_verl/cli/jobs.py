@@ -33,6 +33,13 @@ def _state(rec) -> tuple[str, object]:
         return ("DRY-RUN" if rec.dry_run else rayjobs_ops.list_state(rec)), None
     if rec.job_id is None:
         return "DRY-RUN", None
+    if rec.scheduler == "local":  # a script on this machine (hpc_verl.launch.local)
+        from hpc_verl.launch import local
+
+        info = local.info(rec)
+        return info.state, info
+    if rec.job_id is None:
+        return "DRY-RUN", None
     info = slurm.job_info(rec.job_id, env=rec.env())
     return (info.state if info else "UNKNOWN (left SLURM)"), info
 
@@ -148,6 +155,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return 0
     if rec.job_id is None:
         raise SubmitError(f"job {args.job} was a dry run; nothing to cancel")
+    if rec.scheduler == "local":
+        from hpc_verl.launch import local
+
+        print(local.cancel(rec))
+        return 0
     slurm.scancel(rec.job_id, env=rec.env())
     print(f"cancelled job {rec.job_id}")
     return 0

@@ -1,4 +1,4 @@
-"""``hpc-verl submit --profile NAME [--config JOB.yaml] [--set k=v] [key=value ...] [--dry-run]``."""
+"""``hpc-verl submit --profile NAME [--config JOB.yaml] [--set k=v] [key=value ...] [--dry-run] [--detach]``."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="profile override, e.g. --set slurm.nodes=4")
     p.add_argument("--name", default=None, help="job name (default: from the job config)")
     p.add_argument("--dry-run", action="store_true", help="write the job directory, do not submit")
+    p.add_argument("--detach", action="store_true", help="local profile: run in the background (follow with "
+                   "'hpc-verl logs JOB --follow', stop with 'hpc-verl cancel JOB'); default: foreground")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="trainer overrides")
     p.set_defaults(func=run)
 
@@ -33,13 +35,17 @@ def run(args: argparse.Namespace) -> int:
     if not args.profile:
         from hpc_verl.errors import ConfigError
 
-        raise ConfigError("submit needs --profile NAME (a SLURM profile; see 'hpc-verl profiles list'), "
-                          "or --ray-address URL / --cluster JOB for a running Ray cluster")
+        raise ConfigError("submit needs --profile NAME (a SLURM profile, or 'local' for this machine; see "
+                          "'hpc-verl profiles list'), or --ray-address URL / --cluster JOB for a running Ray cluster")
     from hpc_verl.launch.submit import submit_job
 
-    rec = submit_job(args.profile, args.config, args.overrides, args.sets, args.name, args.dry_run)
+    rec = submit_job(args.profile, args.config, args.overrides, args.sets, args.name, args.dry_run,
+                     detach=args.detach)
+    if rec.scheduler == "local" and not rec.dry_run:
+        return _report_local(rec)
     if rec.job_id is None:
-        print(f"dry run: job directory {rec.job_dir}\nscript: {rec.script}\nsubmit with: sbatch {rec.script}")
+        how = f"bash {rec.script}" if rec.scheduler == "local" else f"sbatch {rec.script}"
+        print(f"dry run: job directory {rec.job_dir}\nscript: {rec.script}\nsubmit with: {how}")
     else:
         print(f"submitted job {rec.job_id} ({rec.name}, profile {rec.profile})")
         print(f"job directory: {rec.job_dir}")
@@ -47,3 +53,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"logs: {rec.batch_log} and {rec.log_dir}/node-<node>.log")
         print(f"follow: hpc-verl logs {rec.job_id} --follow")
     return 0
+
+
+def _report_local(rec) -> int:
+    """After a local job: where its results are (foreground), or how to follow it (detached)."""
+    from hpc_verl.launch import local
+
+    if rec.exit_code is None:
+        print(f"started local job {rec.job_id} ({rec.name}) in the background")
+        print(f"run directory: {rec.run_dir}")
+        print(f"follow: hpc-verl logs {rec.job_id} --follow    stop: hpc-verl cancel {rec.job_id}")
+        return 0
+    state = local.info(rec).state
+    print(f"local job {rec.job_id} ({rec.name}): {state}, exit status {rec.exit_code}")
+    for line in local.results(rec):
+        print(line)
+    return rec.exit_code

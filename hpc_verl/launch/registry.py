@@ -55,6 +55,11 @@ class JobRecord:
     token_file: str | None = None
     # "cluster": a held Ray cluster (`hpc-verl cluster up`), whose jobs are submitted into it
     role: str = "job"
+    # scheduler "local" (hpc_verl.launch.local): the script's pid, where it ran, how it ended
+    pid: int | None = None
+    submit_dir: str = ""
+    exit_code: int | None = None
+    cancelled: bool = False
 
     def save(self) -> None:
         atomic_write_json(Path(self.job_dir) / "job.json", asdict(self))

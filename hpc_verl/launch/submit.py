@@ -25,10 +25,26 @@ def _load_profile(name: str, sets: Sequence[str]) -> Any:
     return load_profile(name, list(sets))
 
 
-def _job_config(config: str | None, overrides: Sequence[str]) -> Any:
-    from hpc_verl.launch.jobconfig import load_job_config
+def _job_config(config: str | None, overrides: Sequence[str], profile_name: str = "") -> Any:
+    from hpc_verl.launch.jobconfig import job_from_dict, load_job_config
 
+    if config is None and Path(profile_name).stem == "local":
+        # the embedded default for newcomers: the tiny model on the shipped sample (see hpc_verl.launch.local)
+        from hpc_verl.launch.local import demo_job_dict
+
+        job = job_from_dict(demo_job_dict(), "(built-in local demo job)")
+        if overrides:
+            job.trainer.overrides.update(load_job_config(None, list(overrides)).trainer.overrides)
+        return job
     return load_job_config(config, list(overrides))
+
+
+def _local_python_set(profile: Any, sets: Sequence[str]) -> list[str]:
+    """A local job runs with the interpreter running hpc-verl, unless the profile or --set names one."""
+    if profile.scheduler != "local" or any(s.startswith("ray.python=") for s in sets) \
+            or profile.ray.python != "python3":
+        return []
+    return [f"ray.python={sys.executable}"]
 
 
 def prepare(profile_name: str, config: str | None = None, overrides: Sequence[str] = (),
@@ -38,20 +54,31 @@ def prepare(profile_name: str, config: str | None = None, overrides: Sequence[st
     The profile's ``paths.job_root`` is pointed at the job's registry directory, so the
     run directory (``<name>-<job id>``) and the batch log land next to the record.
     ``hold``: a cluster job (``hpc-verl cluster up``) that keeps Ray up instead of training.
+    Jobs that train pass the same checks as ``hpc-verl plan``/``render`` (``build_plan``:
+    trainer keys, batch arithmetic) before anything is written; a local job's model and
+    raw data must exist here.
     """
+    from hpc_verl.launch.plan import build_plan
     from hpc_verl.launch.render import render_sbatch
 
-    job = _job_config(config, overrides)
+    job = _job_config(config, overrides, profile_name)
     job_name = name or job.name
     if name:
         job.name = name
+    first = _load_profile(profile_name, sets)
+    if first.scheduler not in ("slurm", "local") or (hold and first.scheduler != "slurm"):
+        raise ConfigError(f"profile {first.name} uses scheduler '{first.scheduler}'; "
+                          f"'hpc-verl {'cluster up' if hold else 'submit'}' needs a SLURM profile"
+                          + ("" if hold else " or a local one (--profile local)"))
+    if first.scheduler == "local":
+        from hpc_verl.launch.local import check_inputs
+
+        check_inputs(job, os.getcwd())
+    sets = [*sets, *_local_python_set(first, sets)]
     job_dir = registry.new_job_dir(job_name)
     try:
         profile = _load_profile(profile_name, [*sets, f"paths.job_root={job_dir}"])
-        if profile.scheduler != "slurm":
-            raise ConfigError(f"profile {profile.name} uses scheduler '{profile.scheduler}'; "
-                              "'hpc-verl submit' needs a SLURM profile")
-        script = render_sbatch(profile, job, hold=hold)
+        script = render_sbatch(profile, job, hold=True) if hold else build_plan(profile, job).script
     except BaseException:
         import shutil
 
@@ -62,7 +89,8 @@ def prepare(profile_name: str, config: str | None = None, overrides: Sequence[st
     atomic_write_json(job_dir / "profile.json", profile.to_dict())
     atomic_write_json(job_dir / "job_config.json", job.to_dict())
     rec = registry.JobRecord(name=job_name, job_dir=str(job_dir), profile=profile.name, script=str(script_path),
-                             log_dir="", slurm_conf=os.environ.get("SLURM_CONF"), nodes=[], dry_run=True)
+                             log_dir="", slurm_conf=os.environ.get("SLURM_CONF"), nodes=[], dry_run=True,
+                             scheduler=profile.scheduler, submit_dir=os.getcwd())
     rec.save()
     return rec
 
@@ -78,13 +106,24 @@ def _set_paths(rec: registry.JobRecord, job_id: int) -> None:
 
 def submit_job(profile_name: str, config: str | None = None, overrides: Sequence[str] = (),
                sets: Sequence[str] = (), name: str | None = None, dry_run: bool = False,
-               hold: bool = False) -> registry.JobRecord:
-    """Prepare, then ``sbatch --parsable`` (unless ``dry_run``) and record the job id."""
+               hold: bool = False, detach: bool = False) -> registry.JobRecord:
+    """Prepare, then ``sbatch --parsable`` (unless ``dry_run``) and record the job id.
+
+    A local profile runs the script on this machine instead (``hpc_verl.launch.local``):
+    in the foreground (the record's ``exit_code`` is set on return) or, with ``detach``,
+    in the background."""
     rec = prepare(profile_name, config, overrides, sets, name, hold=hold)
     if hold:
         rec.role = "cluster"
         rec.save()
     if dry_run:
+        return rec
+    if rec.scheduler == "local":
+        from hpc_verl.launch import local
+
+        if detach:
+            return local.run_detached(rec)
+        local.run_foreground(rec)
         return rec
     _set_paths(rec, slurm.sbatch(rec.script))
     return rec
@@ -125,6 +164,9 @@ def submit(profile: str | None = None, config: str | None = None, overrides: Seq
         return handle
     if not profile:
         raise ConfigError("submit() needs a profile name (or ray_address=... for a running Ray cluster)")
+    if _load_profile(profile, sets).scheduler != "slurm":
+        raise ConfigError(f"submit(): profile {profile} does not use SLURM; run it with "
+                          "hpc_verl.launch.submit.submit_job(...) or 'hpc-verl submit --profile ...'")
     import submitit
 
     rec = prepare(profile, config, overrides, sets, name)

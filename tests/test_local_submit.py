@@ -1,0 +1,151 @@
+"""``hpc-verl submit --profile local``: the main job on this machine, end to end.
+
+Real components throughout: the rendered script run by bash, the shipped sample data
+preprocessed to parquet, the model check, a one-node Ray through our bootstrap
+(ports from the profile's block, never Ray's defaults), the built-in trainer on a tiny
+random model on CPU, the registry, and list/status/logs/cancel. Nothing is faked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpc_verl.launch import local
+from hpc_verl.launch.jobconfig import job_from_dict, load_job_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run([sys.executable, "-m", "hpc_verl", "make-tiny-model", str(out)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+@pytest.fixture
+def home(tmp_path):
+    """A private registry; whatever a test leaves running is killed (by its job marker), even on failure."""
+    h = tmp_path / "home"
+    yield {"HPC_VERL_HOME": str(h)}
+    for d in (h / "jobs").glob("*") if (h / "jobs").exists() else []:
+        for pid in local.job_pids(str(d)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _workdir(tmp_path: Path, tiny_model: Path) -> Path:
+    wd = tmp_path / "work"
+    (wd / "models").mkdir(parents=True)
+    (wd / "models" / "tiny").symlink_to(tiny_model)
+    return wd
+
+
+def test_example_job_is_the_embedded_default():
+    example = load_job_config(str(REPO / "examples" / "job_local_demo.yaml"))
+    default = job_from_dict(local.demo_job_dict(), "default")
+    assert example.trainer.overrides == default.trainer.overrides
+    assert (example.name, example.model.path, example.data.dir) == (default.name, default.model.path,
+                                                                    default.data.dir)
+    assert (REPO / example.data.raw).resolve() == Path(default.data.raw).resolve()
+
+
+def test_submit_local_end_to_end(cli, tmp_path, tiny_model, home):
+    wd = _workdir(tmp_path, tiny_model)
+    res = cli("submit", "--profile", "local", cwd=wd, env=home, timeout=150)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for stage in ("stage preprocess: done", "stage model-check: done", "ray-up: 1 nodes and 0 GPUs ready",
+                  "stage train: done", "job finished"):
+        assert stage in res.stdout, stage
+    assert (wd / "data" / "gsm8k" / "train.parquet").exists()  # preprocessed once, next to the job
+    jobs = list((Path(home["HPC_VERL_HOME"]) / "jobs").iterdir())
+    assert len(jobs) == 1
+    rec = json.loads((jobs[0] / "job.json").read_text())
+    assert rec["scheduler"] == "local" and rec["exit_code"] == 0 and rec["pid"] == rec["job_id"]
+    run_dir = Path(rec["run_dir"])
+    assert f"run directory: {run_dir}" in res.stdout
+    # results: metrics with rising step numbers, a PNG, a checkpoint
+    rows = [json.loads(line) for line in (run_dir / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, 6))
+    assert (run_dir / "checkpoints" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run_dir / "checkpoints" / "global_step_5").is_dir()
+    # the job ran with this interpreter, and Ray on the profile's port block (not 6379)
+    script = Path(rec["script"]).read_text()
+    assert f"HPCV_PYTHON={os.path.realpath(sys.executable)}" in script or \
+        f"HPCV_PYTHON={sys.executable}" in script
+    head = json.loads((run_dir / "ray" / "head.json").read_text())
+    assert not head["address"].endswith(":6379")
+    st = cli("status", str(rec["job_id"]), "--json", env=home)
+    d = json.loads(st.stdout)
+    assert d["state"] == "COMPLETED" and d["exit_code"] == "0"
+    assert {"preprocess", "model-check", "train"} <= set(d["stages_done"])
+    assert local.job_pids(str(jobs[0])) == []  # Ray and the trainer are gone when submit returns
+    assert "COMPLETED" in cli("list", env=home).stdout
+
+
+def test_missing_model_fails_in_one_line_and_writes_nothing(cli, tmp_path, home):
+    wd = tmp_path / "work"
+    wd.mkdir()
+    cfg = wd / "job.yaml"
+    job = local.demo_job_dict()
+    job["model"] = {"path": "models/missing"}
+    cfg.write_text(yaml.safe_dump(job))
+    res = cli("submit", "--profile", "local", "--config", str(cfg), cwd=wd, env=home)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model-check" in lines[0] and "models/missing" in lines[0]
+    assert "make-tiny-model" in lines[0] and "Traceback" not in res.stderr
+    jobs = Path(home["HPC_VERL_HOME"]) / "jobs"
+    assert not jobs.exists() or not list(jobs.iterdir())
+    assert not (wd / "data").exists()
+
+
+def test_bad_trainer_override_is_refused_before_anything_runs(cli, tmp_path, tiny_model, home):
+    wd = _workdir(tmp_path, tiny_model)
+    res = cli("submit", "--profile", "local", "trainer.total_epoch=1", cwd=wd, env=home)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    jobs = Path(home["HPC_VERL_HOME"]) / "jobs"
+    assert not jobs.exists() or not list(jobs.iterdir())
+
+
+def test_detach_then_cancel_leaves_nothing_running(cli, tmp_path, tiny_model, home):
+    wd = _workdir(tmp_path, tiny_model)
+    res = cli("submit", "--profile", "local", "--detach", "trainer.total_training_steps=2000",
+              "trainer.save_freq=0", cwd=wd, env=home)
+    assert res.returncode == 0, res.stderr
+    job_dir = next((Path(home["HPC_VERL_HOME"]) / "jobs").iterdir())
+    rec = json.loads((job_dir / "job.json").read_text())
+    job_id = str(rec["job_id"])
+    assert "started local job" in res.stdout and job_id in res.stdout
+    run_dir = Path(rec["run_dir"])
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and not (run_dir / "checkpoints" / "metrics.jsonl").exists():
+        assert json.loads(cli("status", job_id, "--json", env=home).stdout)["state"] == "RUNNING"
+        time.sleep(1)
+    assert (run_dir / "checkpoints" / "metrics.jsonl").exists(), "training did not start"
+    assert local.job_pids(str(job_dir))  # Ray and the trainer are running
+    logs = cli("logs", job_id, env=home)
+    assert "stage train: start" in logs.stdout
+    out = cli("cancel", job_id, env=home, timeout=120)
+    assert out.returncode == 0 and f"cancelled job {job_id}" in out.stdout, out.stderr
+    assert local.job_pids(str(job_dir)) == []
+    d = json.loads(cli("status", job_id, "--json", env=home).stdout)
+    assert d["state"] == "CANCELLED" and d["exit_code"] not in ("", "0")
+    assert "cleanup" in cli("logs", job_id, "--follow", env=home, timeout=30).stdout  # --follow ends: job over
