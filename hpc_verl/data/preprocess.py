@@ -11,11 +11,11 @@ import json
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
 from hpc_verl.errors import DataError
+from hpc_verl.util.fs import atomic_target
 
 GSM8K_SOURCE = "openai/gsm8k"
 DIGITS_SOURCE = "hpc_verl/digits"
@@ -119,18 +119,8 @@ def write_parquet(rows: list[dict], path: str | os.PathLike[str]) -> Path:
     import pyarrow.parquet as pq
 
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=str(out.parent))
-    os.close(fd)
-    try:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_target(out) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows), str(tmp))
     return out
 
 

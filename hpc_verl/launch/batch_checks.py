@@ -11,20 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from hpc_verl.util.dotted import get_path
+
 _ACTOR = "actor_rollout_ref.actor"
 _ROLLOUT = "actor_rollout_ref.rollout"
-
-
-def get_path(cfg: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
-    """``cfg["a"]["b"]`` for ``"a.b"``; also accepts flat ``{"a.b": v}`` mappings."""
-    if dotted in cfg:
-        return cfg[dotted]
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return node
 
 
 def _int(value: Any) -> int | None:

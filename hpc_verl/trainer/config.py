@@ -16,6 +16,7 @@ import yaml
 
 from hpc_verl.errors import ConfigError
 from hpc_verl.util.suggest import did_you_mean, unknown_key_message
+from hpc_verl.util.dotted import get_path
 
 DEFAULT_YAML = Path(__file__).with_name("ppo_default.yaml")
 
@@ -113,12 +114,7 @@ class Section(dict):
             raise AttributeError(name) from None
 
     def get_path(self, dotted: str, default: Any = None) -> Any:
-        node: Any = self
-        for part in dotted.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                return default
-            node = node[part]
-        return node
+        return get_path(self, dotted, default)
 
     def to_dict(self) -> dict:
         return _plain(self)

@@ -1,27 +1,29 @@
 """Atomic file writes: nothing half-written on any exit path."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def atomic_write_bytes(path: PathLike, data: bytes, mode: int | None = None) -> Path:
-    """Write ``data`` to a temp file beside ``path`` and rename it into place."""
+@contextlib.contextmanager
+def atomic_target(path: PathLike) -> Iterator[Path]:
+    """Yield a temp path beside ``path``; rename it into place only if the block succeeds.
+
+    For writers that want a file name (parquet, torch.save): on any exception the temp
+    file is removed and ``path`` is untouched.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -29,7 +31,18 @@ def atomic_write_bytes(path: PathLike, data: bytes, mode: int | None = None) -> 
         except FileNotFoundError:
             pass
         raise
-    return path
+
+
+def atomic_write_bytes(path: PathLike, data: bytes, mode: int | None = None) -> Path:
+    """Write ``data`` to a temp file beside ``path`` and rename it into place."""
+    with atomic_target(path) as tmp:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+    return Path(path)
 
 
 def atomic_write_text(path: PathLike, text: str, mode: int | None = None) -> Path:
