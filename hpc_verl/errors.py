@@ -5,6 +5,9 @@ one line and exits 2. Use ``assert`` only for internal invariants.
 """
 from __future__ import annotations
 
+import sys
+from typing import Callable
+
 
 class HpcVerlError(Exception):
     """A user error: one clear line (what, where, how to fix)."""
@@ -42,3 +45,18 @@ class DataError(HpcVerlError):
 
 class DataflowError(HpcVerlError):
     """A dataflow graph is invalid or cannot be placed on the cluster."""
+
+
+def report_errors(func: Callable[[], int]) -> int:
+    """Run an entry point: a user error becomes one line on stderr and its exit code, no traceback.
+
+    Shared by ``hpc-verl`` and ``python -m hpc_verl.trainer.main`` (which must not import the CLI).
+    """
+    try:
+        return int(func() or 0)
+    except HpcVerlError as exc:
+        print(f"hpc-verl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("hpc-verl: interrupted", file=sys.stderr)
+        return 130

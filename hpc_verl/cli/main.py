@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from hpc_verl._version import __version__
-from hpc_verl.errors import HpcVerlError
+from hpc_verl.errors import report_errors
 
 # Add a verb by adding its module name here (module hpc_verl.cli.<name>).
 VERB_MODULES: tuple[str, ...] = (
@@ -27,7 +27,7 @@ VERB_MODULES: tuple[str, ...] = (
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit 2."""
 
-    def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
@@ -57,14 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help(sys.stderr)
         return 2
-    try:
-        return int(func(args) or 0)
-    except HpcVerlError as exc:
-        print(f"hpc-verl: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("hpc-verl: interrupted", file=sys.stderr)
-        return 130
+    return report_errors(lambda: func(args))
 
 
 def run() -> None:

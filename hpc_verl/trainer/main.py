@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Sequence
 
-from hpc_verl.errors import HpcVerlError
+from hpc_verl.errors import report_errors
 
 
 def build_parser(prog: str = "hpc-verl train") -> argparse.ArgumentParser:
@@ -67,14 +67,7 @@ def _setup_logging() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser("python -m hpc_verl.trainer.main")
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except HpcVerlError as exc:
-        print(f"hpc-verl: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("hpc-verl: interrupted", file=sys.stderr)
-        return 130
+    return report_errors(lambda: run(args))
 
 
 if __name__ == "__main__":
