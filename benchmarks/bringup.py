@@ -2,8 +2,8 @@
 
 Measures, in the same run and on the same two-node test bed, the time from the
 batch script's first line to "Ray ready" for
-  * ours: the rendered script (job-derived ports, token, parallel workers,
-    bounded barrier polling the GCS every 0.25 s), and
+  * ours: the rendered script (job-derived ports, token, parallel workers that
+    join the moment the head registers, bounded barrier polling the GCS every 0.25 s), and
   * baseline: the style of verl's public SLURM example: start the head, `sleep 10`,
     then start each worker followed by `sleep 5`, then declare Ray ready.
 Prints both medians and the ratio ours/baseline (target <= 0.5).
@@ -16,7 +16,7 @@ waits for max(worker start), not the sum. A sleep-based script costs
 barrier poll itself against Ray clusters of 1, 2 and 4 nodes (ray.cluster_utils)
 to show it stays flat.
 
-Usage: python benchmarks/bringup.py [--runs 3] [--testbed-dir DIR] [--poll-scaling]
+Usage: python benchmarks/bringup.py [--runs 5] [--testbed-dir DIR] [--poll-scaling]
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def poll_scaling() -> dict[int, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--testbed-dir", default=None, help="reuse a running test bed (scripts/testbed.sh up)")
     ap.add_argument("--poll-scaling", action="store_true")
     args = ap.parse_args()

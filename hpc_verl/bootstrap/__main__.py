@@ -104,6 +104,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "wait":
         from hpc_verl.bootstrap.barrier import Barrier, parse_pids
 
+        # The barrier shares the head node with the Ray start-up it waits for: yield the CPU to it
+        # (this matters where cores are few; a poll is a few ms either way).
+        try:
+            os.nice(10)
+        except OSError:
+            pass
         Barrier(args.job_dir, parse_pids(args.srun_pids), args.timeout_s).wait()
         return 0
     if args.verb == "stop":

@@ -1,6 +1,6 @@
 """The readiness barrier: bounded wait for every node and GPU of the job to join Ray.
 
-Each poll (every 0.25 s) asks the head's GCS for alive nodes (one RPC, whatever
+Each poll (every 0.25 s) asks the head's GCS for alive nodes (one RPC on one kept connection, whatever
 the node count: the cost does not grow with nodes beyond the size of the reply),
 checks that the background ``srun`` steps are still alive, and reads the nodes'
 state files. It returns as soon as the counts are met; it fails fast when a step
@@ -10,6 +10,7 @@ non-zero before the timeout ends.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shlex
 import subprocess
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hpc_verl.bootstrap import procs
+from hpc_verl.bootstrap.netif import split_address, tcp_open
 from hpc_verl.bootstrap.node import NODE_RESOURCE_PREFIX, log_tail, node_temp_dir
 from hpc_verl.bootstrap.plan import node_states, ray_dir, ray_env, read_json, read_plan
 from hpc_verl.errors import BootstrapError
@@ -36,15 +38,26 @@ class ClusterView:
     error: str | None = None
 
 
+_CLIENTS: dict[str, Any] = {}  # one GCS client per address for the life of the process
+
+
 def gcs_view(address: str, timeout_s: float) -> ClusterView:
     """Alive nodes (by their hpcv_node_<name> resource) and total GPUs, from the GCS."""
     from ray._raylet import GcsClient  # heavy import: only here
 
+    client = _CLIENTS.get(address)
+    if client is None:
+        if not tcp_open(*split_address(address), timeout_s=min(timeout_s, 0.5)):
+            return ClusterView(error=f"nothing answers at {address}")  # (GcsClient would block ~40 s)
+        try:
+            client = _CLIENTS[address] = GcsClient(address=address)
+        except Exception as exc:  # the GCS may not be up yet: report and poll again
+            return ClusterView(error=_one_line(exc))
     try:
-        client = GcsClient(address=address)
         infos = client.get_all_node_info(timeout=max(timeout_s, 0.2))
-    except Exception as exc:  # the GCS may not be up yet: report and poll again
-        return ClusterView(error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    except Exception as exc:
+        _CLIENTS.pop(address, None)
+        return ClusterView(error=_one_line(exc))
     view = ClusterView()
     for info in infos.values():
         if info.state != 0:  # 0 = ALIVE
@@ -54,6 +67,10 @@ def gcs_view(address: str, timeout_s: float) -> ClusterView:
         names = [k[len(NODE_RESOURCE_PREFIX):] for k in res if k.startswith(NODE_RESOURCE_PREFIX)]
         view.alive_nodes.extend(names or [info.node_manager_address])
     return view
+
+
+def _one_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
 class Barrier:
@@ -80,6 +97,8 @@ class Barrier:
         for k, v in ray_env(self.job_dir).items():
             os.environ[k] = v
         t0 = time.monotonic()
+        if self.view is gcs_view:
+            importlib.import_module("ray._raylet")  # the heavy import while the head starts, not after
         deadline = t0 + max(self.timeout_s - min(DIAG_RESERVE_S, self.timeout_s * 0.2), 0.5)
         last = ClusterView(error="head not started yet")
         head: dict[str, Any] | None = None

@@ -95,3 +95,17 @@ def select_ip(interface: str | None = None, allow_loopback: bool = False,
             return avail[name]
     raise BootstrapError(f"no usable IPv4 address for Ray on {socket.gethostname()} (interfaces: {listing}); "
                          "set network.interface in the profile")
+
+
+def tcp_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Does something accept connections at host:port? (Cheap; Ray's GCS client blocks ~40 s
+    on an address where nothing listens, so callers ask this first.)"""
+    with socket.socket() as s:
+        s.settimeout(timeout_s)
+        return s.connect_ex((host, port)) == 0
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"10.0.0.1:6379"`` -> ("10.0.0.1", 6379)."""
+    host, _, port = address.rpartition(":")
+    return host, int(port)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_verl.bootstrap import procs
-from hpc_verl.bootstrap.netif import select_ip
+from hpc_verl.bootstrap.netif import select_ip, tcp_open
 from hpc_verl.bootstrap.plan import ray_dir, ray_env, read_json, read_plan, write_node_state
 from hpc_verl.bootstrap.ports import pick_node_ports
 from hpc_verl.errors import BootstrapError
@@ -57,10 +57,8 @@ def log_tail(temp_dir: str, names: tuple[str, ...] = ("raylet.out", "raylet.err"
 
 def _wait_port(host: str, port: int, child: subprocess.Popen, deadline: float) -> bool:
     while time.monotonic() < deadline:
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            if s.connect_ex((host, port)) == 0:
-                return True
+        if tcp_open(host, port):
+            return True
         if child.poll() is not None and child.returncode != 0:
             return False
         time.sleep(0.1)

@@ -1,8 +1,14 @@
-"""``ray start`` with Ray's CLI already imported while the node waits for the head's address.
+"""``ray start`` with Ray's CLI already imported while the node waits for the head.
 
 Importing Ray's CLI costs a second or two; a worker does it while the head is still
-starting, so only the daemons' own start-up is left on the critical path once
-``head.json`` appears. Usage (internal, from the node supervisor):
+starting, so only the daemons' own start-up is left on the critical path once the
+head is there. "There" means registered in the GCS, not just ``head.json``: Ray's
+worker start-up first looks up the head node and, while it is missing, sleeps 2 s
+between lookups (``get_all_node_info_until_retrieved``), which costs a worker up to
+2 s for nothing. So we poll the GCS ourselves every 50 ms and call ``ray start`` the
+moment the head's raylet is alive.
+
+Usage (internal, from the node supervisor):
 ``python -m hpc_verl.bootstrap.raystart --head-file FILE --stop-file FILE --timeout-s T -- ARGS``
 where ``@ADDRESS@`` in ARGS is replaced by the head's GCS address.
 """
@@ -12,6 +18,56 @@ import json
 import os
 import sys
 import time
+from typing import Callable
+
+from hpc_verl.bootstrap.netif import split_address, tcp_open
+
+POLL_S = 0.05
+
+
+class _Stopped(Exception):
+    """The wait ended without a head (timeout or stop file); the message says which."""
+
+
+def _until(deadline: float, stop_file: str | None, what: str, probe: Callable[[], object]) -> object:
+    """Call ``probe`` every POLL_S until it returns something truthy; bounded by the deadline."""
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise _Stopped(f"{what}: gave up at the readiness deadline")
+        if stop_file and os.path.exists(stop_file):
+            raise _Stopped(f"{what}: the job is stopping")
+        time.sleep(POLL_S)
+
+
+def _read_address(head_file: str) -> str | None:
+    try:
+        with open(head_file) as f:
+            return json.load(f)["address"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def head_alive(address: str) -> Callable[[], bool]:
+    """A probe: is the head node's raylet registered and alive in the GCS at ``address``?"""
+    from ray._raylet import GcsClient  # already imported with Ray's CLI: no extra cost
+
+    client: list[GcsClient] = []
+
+    def probe() -> bool:
+        if not client and not tcp_open(*split_address(address), timeout_s=0.5):
+            return False  # GcsClient would block ~40 s on an address where nothing listens
+        try:
+            if not client:
+                client.append(GcsClient(address=address))
+            infos = client[0].get_all_node_info(timeout=1.0)
+        except Exception:  # noqa: BLE001 - the GCS may be busy starting; ask again
+            return False
+        return any(i.is_head_node and i.state == 0 for i in infos.values())  # 0 = ALIVE
+
+    return probe
 
 
 def main(argv: list[str]) -> int:
@@ -20,19 +76,18 @@ def main(argv: list[str]) -> int:
     head_file = opts[opts.index("--head-file") + 1] if "--head-file" in opts else None
     stop_file = opts[opts.index("--stop-file") + 1] if "--stop-file" in opts else None
     timeout_s = float(opts[opts.index("--timeout-s") + 1]) if "--timeout-s" in opts else 300.0
+    deadline = time.monotonic() + timeout_s
     from ray.scripts import scripts  # the slow import, done before the address is known
 
     if head_file:
-        deadline = time.monotonic() + timeout_s
-        address = None
-        while address is None:
-            try:
-                address = json.loads(open(head_file).read())["address"]
-            except (OSError, ValueError, KeyError):
-                if time.monotonic() > deadline or (stop_file and os.path.exists(stop_file)):
-                    print(f"no head address in {head_file} within {timeout_s:g}s", file=sys.stderr)
-                    return 3
-                time.sleep(0.05)
+        try:
+            address = str(_until(deadline, stop_file, f"no head address in {head_file}",
+                                 lambda: _read_address(head_file)))
+            _until(deadline, stop_file, f"the head at {address} never registered in its GCS",
+                   head_alive(address))
+        except _Stopped as exc:
+            print(str(exc), file=sys.stderr)
+            return 3
         ray_args = [a.replace("@ADDRESS@", address) for a in ray_args]
     sys.argv = ["ray", "start", *ray_args]
     try:

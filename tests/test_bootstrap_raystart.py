@@ -1,0 +1,87 @@
+"""The worker-side wait before ``ray start``: head address, then the head registered in its GCS.
+
+Against a real token-authenticated Ray head (tests/rayhead.py). Ray's own worker
+start-up looks the head up with 2 s sleeps; ours polls, so these tests pin the
+behaviour the bring-up time depends on: the probe sees a registered head only with
+the job's token, never blocks on a dead address, and the wait ends on the stop
+file or the deadline with a message instead of hanging.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_verl.bootstrap import raystart
+from rayhead import free_ports, start_ray_head
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def head():
+    h = start_ray_head(token_auth=True, num_cpus=0)
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+PROBE = """
+import sys, time
+from hpc_verl.bootstrap import raystart
+probe = raystart.head_alive(sys.argv[1])
+deadline = time.monotonic() + float(sys.argv[2])
+while not probe() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(probe())
+"""
+
+
+def _probe(address: str, token_file, wait_s: float, guard_s: float = 90) -> str:
+    """The probe in a fresh process (Ray caches the token per process), polled up to wait_s;
+    a hang (Ray's GCS client blocks ~40 s on a dead address) fails at guard_s."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", PROBE, address, str(wait_s)], env=env, capture_output=True,
+                         text=True, timeout=guard_s)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip()
+
+
+def test_probe_sees_the_head_once_registered_and_only_with_the_job_token(head, tmp_path):
+    # the head's dashboard answers before its raylet registers: the probe waits for the raylet
+    assert _probe(head.gcs_address, head.token_file, wait_s=60) == "True"
+    wrong = tmp_path / "token"
+    wrong.write_text("0" * 64)
+    assert _probe(head.gcs_address, wrong, wait_s=1) == "False"
+
+
+def test_probe_does_not_block_where_nothing_listens(tmp_path):
+    (port,) = free_ports(1)
+    assert _probe(f"127.0.0.1:{port}", tmp_path / "none", wait_s=0, guard_s=20) == "False"
+
+
+def test_wait_ends_on_the_stop_file(tmp_path, capsys):
+    stop = tmp_path / "stop"
+    stop.write_text("")
+    rc = raystart.main(["--head-file", str(tmp_path / "head.json"), "--stop-file", str(stop),
+                        "--timeout-s", "60", "--", "--address=@ADDRESS@"])
+    assert rc == 3
+    assert "the job is stopping" in capsys.readouterr().err
+
+
+def test_wait_ends_at_the_deadline_when_the_head_never_registers(tmp_path, capsys):
+    (port,) = free_ports(1)
+    head_file = tmp_path / "head.json"
+    head_file.write_text(json.dumps({"address": f"127.0.0.1:{port}"}))
+    rc = raystart.main(["--head-file", str(head_file), "--stop-file", str(tmp_path / "stop"),
+                        "--timeout-s", "1", "--", "--address=@ADDRESS@"])
+    err = capsys.readouterr().err
+    assert rc == 3
+    assert f"the head at 127.0.0.1:{port} never registered" in err
+    assert not os.path.exists(tmp_path / "stop")
