@@ -46,7 +46,7 @@ def test_bad_overrides_are_one_line(override, needle):
 def test_bad_yaml_file_names_file_and_line(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("data:\n  train_batch_size: [1\n")
-    with pytest.raises(ConfigError, match=r"bad.yaml line \d+: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: not valid YAML"):
         load_config(f)
     f.write_text("data:\n  max_prompt_lenght: 10\n")
     with pytest.raises(ConfigError, match="did you mean 'data.max_prompt_length'"):

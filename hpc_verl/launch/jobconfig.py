@@ -16,6 +16,7 @@ import yaml
 
 from hpc_verl.errors import ConfigError
 from hpc_verl.util.suggest import unknown_key_message
+from hpc_verl.util.yamlfile import read_yaml
 
 _JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -186,17 +187,7 @@ def load_job_config(path: Optional[str], overrides: Optional[list[str]] = None) 
     if path is None:
         job = JobConfig()
     else:
-        p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"job config {path} cannot be read ({exc.__class__.__name__}); check the path") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else path
-            raise ConfigError(f"job config {where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        data, _ = read_yaml(Path(path), "job config", ConfigError)
         job = job_from_dict(data if data is not None else {}, str(path))
     for text in overrides or []:
         if "=" not in text:

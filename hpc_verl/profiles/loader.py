@@ -20,6 +20,7 @@ import yaml
 
 from hpc_verl.errors import ProfileError
 from hpc_verl.profiles.schema import Profile, build_profile
+from hpc_verl.util.yamlfile import read_yaml
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -131,19 +132,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """Mapping in the file and the line of every (dotted) key."""
     disp = _display(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"profile file {disp} cannot be read: {exc}") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{disp}:{mark.line + 1}" if mark else disp
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ProfileError(f"profile file {where}: not valid YAML ({problem}); check indentation and quoting") \
-            from None
+    data, node = read_yaml(path, "profile file", ProfileError, display=disp, compose=True)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -15,8 +15,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import yaml
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.util.suggest import did_you_mean, unknown_key_message
 from hpc_verl.util.dotted import get_path
+from hpc_verl.util.suggest import did_you_mean, unknown_key_message
+from hpc_verl.util.yamlfile import read_yaml
 
 DEFAULT_YAML = Path(__file__).with_name("ppo_default.yaml")
 
@@ -315,12 +316,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} not found; pass an existing YAML file to --config")
-        try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"config file {p}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        data = read_yaml(p, "config file", ConfigError)[0] or {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"config file {p}: expected a mapping of sections (data:, trainer:, ...)")
         _merge(cfg, data, schema, f"config file {p}")
