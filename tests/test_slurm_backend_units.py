@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -54,3 +55,24 @@ def test_submit_bad_profile_leaves_nothing(cli, tmp_path):
     proc = cli("submit", "--profile", "testbed", "--set", "slurm.nodez=2", env={"HPC_VERL_HOME": str(tmp_path)})
     assert proc.returncode == 2 and "nodez" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "jobs").exists() or not list((tmp_path / "jobs").iterdir())
+
+
+def test_local_job_states_share_the_slurm_record(tmp_path):
+    """A local job is reported with the same JobInfo as a SLURM one; a vanished process is LOST
+    (terminal, so `logs --follow` stops), not RUNNING forever."""
+    import subprocess
+    import sys
+
+    from hpc_verl.launch import local, registry
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    rec = registry.JobRecord(name="x", job_dir=str(tmp_path), profile="local", scheduler="local", pid=dead.pid)
+    info = local.info(rec)
+    assert (info.state, info.terminal, info.source) == ("LOST", True, "local")
+    assert "without recording its exit status" in info.reason
+    rec.exit_code = 3
+    info = local.info(rec)
+    assert (info.state, info.exit_code, info.terminal) == ("FAILED", "3", True)
+    rec.exit_code, rec.pid = None, os.getpid()  # alive, but not this job's (no marker in its environment)
+    assert local.info(rec).state == "LOST"

@@ -38,8 +38,6 @@ def _state(rec) -> tuple[str, object]:
 
         info = local.info(rec)
         return info.state, info
-    if rec.job_id is None:
-        return "DRY-RUN", None
     info = slurm.job_info(rec.job_id, env=rec.env())
     return (info.state if info else "UNKNOWN (left SLURM)"), info
 

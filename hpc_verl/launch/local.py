@@ -16,12 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from hpc_verl.errors import ConfigError, SubmitError
 from hpc_verl.launch import registry
+from hpc_verl.launch.jobinfo import JobInfo
 
 MARKER_ENV = "HPCV_LOCAL_JOB"
 LOG_NAME = "job.log"
@@ -226,22 +226,6 @@ def run_detached(rec: registry.JobRecord, timeout_s: float = 30.0) -> registry.J
 
 
 # ---------------------------------------------------------------------------- job ops
-@dataclass
-class LocalInfo:
-    """A local job's state, in the shape ``hpc-verl status`` shows for SLURM jobs."""
-
-    state: str
-    exit_code: str = ""
-    reason: str = ""
-    nodes: str = ""
-    restarts: int = 0
-    source: str = "local"
-
-    @property
-    def terminal(self) -> bool:
-        return self.state not in ("RUNNING",)
-
-
 def _is_ours(pid: int, job_dir: str) -> bool:
     """True while ``pid`` lives and belongs to this job (guards against a reused pid)."""
     try:
@@ -268,14 +252,14 @@ def job_pids(job_dir: str) -> list[int]:
     return pids
 
 
-def info(rec: registry.JobRecord) -> LocalInfo:
+def info(rec: registry.JobRecord) -> JobInfo:
     if rec.exit_code is not None:
         rc = rec.exit_code
         state = "CANCELLED" if rec.cancelled else ("COMPLETED" if rc == 0 else "FAILED")
-        return LocalInfo(state, f"{rc}", nodes=os.uname().nodename)
+        return JobInfo(state, exit_code=f"{rc}", nodes=os.uname().nodename, source="local")
     if rec.pid and _is_ours(rec.pid, rec.job_dir):
-        return LocalInfo("RUNNING", nodes=os.uname().nodename)
-    return LocalInfo("UNKNOWN (process gone)", reason="the job's process ended without recording its exit status")
+        return JobInfo("RUNNING", nodes=os.uname().nodename, source="local")
+    return JobInfo("LOST", reason="the job's process ended without recording its exit status", source="local")
 
 
 def _signal(pid: int, sig: int) -> None:

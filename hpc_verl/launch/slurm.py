@@ -9,13 +9,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, field
 from typing import Mapping
 
 from hpc_verl.errors import SubmitError
+from hpc_verl.launch.jobinfo import JobInfo
 
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-                   "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 _KV_RE = re.compile(r"(\b[A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?=\s+[A-Za-z][A-Za-z0-9_:/]*=|$)")
 
 
@@ -51,24 +49,6 @@ def sbatch(script: str, extra_args: list[str] | None = None, env: Mapping[str, s
     return int(first)
 
 
-@dataclass
-class JobInfo:
-    """What SLURM says about one job."""
-
-    job_id: int
-    state: str
-    reason: str = ""
-    nodes: str = ""
-    exit_code: str = ""
-    restarts: int = 0
-    source: str = "squeue"
-    raw: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-
 def parse_scontrol(text: str) -> dict[str, str]:
     """``scontrol show job -o`` output -> key/value dict (values may contain spaces)."""
     return {m.group(1): m.group(2).strip() for m in _KV_RE.finditer(text.strip())}
@@ -88,10 +68,10 @@ def job_info(job_id: int, env: Mapping[str, str] | None = None) -> JobInfo | Non
     sc = scontrol_job(job_id, env=env)
     if line:
         state, reason, nodes = (line.split("|") + ["", ""])[:3]
-        info = JobInfo(job_id, state, reason, nodes, source="squeue")
+        info = JobInfo(state, reason, nodes, source="squeue", job_id=job_id)
     elif sc:
-        info = JobInfo(job_id, sc.get("JobState", "UNKNOWN"), sc.get("Reason", ""), sc.get("NodeList", ""),
-                       source="scontrol")
+        info = JobInfo(sc.get("JobState", "UNKNOWN"), sc.get("Reason", ""), sc.get("NodeList", ""),
+                       source="scontrol", job_id=job_id)
     else:
         return None
     if sc:
