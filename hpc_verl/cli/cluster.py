@@ -4,15 +4,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpc_verl.cli.common import PROFILE_HELP, add_profile_argument, add_set_argument
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cluster", help="hold a Ray cluster in a SLURM allocation for Ray Jobs submissions")
     verbs = p.add_subparsers(dest="cluster_verb", metavar="up|down", parser_class=type(p))
     up = verbs.add_parser("up", help="start a cluster job; print its Ray Jobs address and token file")
-    up.add_argument("--profile", required=True, help="SLURM profile name or path")
+    add_profile_argument(up, help="SLURM " + PROFILE_HELP)
     up.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    up.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="profile override, e.g. --set slurm.partition=gpu")
+    add_set_argument(up)
     up.add_argument("--name", default=None, help="job name (default ray-cluster)")
     up.add_argument("--time-min", type=int, default=None, help="time limit in minutes (default: the profile's)")
     up.add_argument("--wait-timeout-s", type=float, default=600,

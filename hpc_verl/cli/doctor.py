@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpc_verl.cli.common import PROFILE_HELP, add_profile_argument, add_set_argument
+
 STYLE = {"OK": "green", "WARN": "yellow", "FAIL": "bold red", "SKIP": "dim"}
 
 
@@ -18,10 +20,9 @@ def register(subparsers: Any) -> None:
                     "interface and its IPv4, /dev/shm size, memlock/nofile limits, the job's Ray port block, "
                     "Ray and torch versions, GPUs, the container runtime and IB devices in the container. "
                     "Each check prints OK/WARN/FAIL/SKIP with a one-line fix. Exit 1 if any check FAILs.")
-    parser.add_argument("--profile", default=os.environ.get("HPC_VERL_PROFILE", "local"),
-                        help="cluster profile name or path (default: $HPC_VERL_PROFILE or 'local')")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a profile value (repeatable)")
+    add_profile_argument(parser, required=False, default=os.environ.get("HPC_VERL_PROFILE", "local"),
+                         help=PROFILE_HELP + " (default: $HPC_VERL_PROFILE or 'local')")
+    add_set_argument(parser)
     parser.add_argument("--job-id", type=int, default=None,
                         help="check this job's Ray port block (default: $SLURM_JOB_ID)")
     parser.add_argument("--deep", action="store_true",

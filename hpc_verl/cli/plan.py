@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any
 
+from hpc_verl.cli.common import add_profile_argument, add_set_argument
+
 KIND_STYLE = {"override": "", "derived": "dim", "env": "cyan", "note": "yellow"}
 
 
@@ -16,9 +18,8 @@ def register(subparsers: Any) -> None:
                     "utilisation, parameter/optimizer offload and environment for N nodes of a profile and a "
                     "model size, each with a one-line reason. --format overrides prints only key=value lines "
                     "to paste after 'hpc-verl submit' or into a job file.")
-    parser.add_argument("--profile", required=True, help="cluster profile name or path")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a profile value (repeatable)")
+    add_profile_argument(parser)
+    add_set_argument(parser)
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
     parser.add_argument("--model-size", default="7B", help="model parameters, e.g. 0.5B, 7B, 70B (default 7B)")
     parser.add_argument("--gpu-mem-gb", type=float, default=None,

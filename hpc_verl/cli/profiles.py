@@ -6,6 +6,8 @@ import json
 import sys
 from typing import Any
 
+from hpc_verl.cli.common import add_set_argument
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("profiles", help="list cluster profiles or show one resolved",
@@ -17,8 +19,7 @@ def register(subparsers: Any) -> None:
     p_list.set_defaults(func=cmd_list)
     p_show = sub.add_parser("show", help="one profile resolved, with provenance")
     p_show.add_argument("name", help="profile name or path to a .yaml file")
-    p_show.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a profile value (repeatable), e.g. --set slurm.nodes=4")
+    add_set_argument(p_show)
     p_show.add_argument("--json", action="store_true", help="print the resolved profile as JSON")
     p_show.set_defaults(func=cmd_show)
     parser.set_defaults(func=lambda args: (parser.print_help(sys.stderr), 2)[1])

@@ -5,16 +5,7 @@ import argparse
 import sys
 from typing import Any
 
-
-def add_plan_arguments(parser: argparse.ArgumentParser, *, profile_required: bool = True) -> None:
-    """The inputs of a launch plan, shared by render/validate (and submit)."""
-    parser.add_argument("--profile", required=profile_required, metavar="NAME",
-                        help="cluster profile name or path to a .yaml file")
-    parser.add_argument("--config", metavar="JOB.yaml", help="job config (trainer, data, model)")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a profile value (repeatable), e.g. --set slurm.nodes=4")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="trainer overrides, e.g. trainer.total_epochs=2")
+from hpc_verl.cli.common import add_plan_arguments
 
 
 def register(subparsers: Any) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from hpc_verl.cli.common import add_set_argument
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="render a job for a SLURM profile and sbatch it, or send it to a "
@@ -17,8 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="submit into a cluster held by 'hpc-verl cluster up' (its id; address, token "
                    "and profile come from the registry)")
     p.add_argument("--config", default=None, help="job config YAML")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="profile override, e.g. --set slurm.nodes=4")
+    add_set_argument(p)
     p.add_argument("--name", default=None, help="job name (default: from the job config)")
     p.add_argument("--dry-run", action="store_true", help="write the job directory, do not submit")
     p.add_argument("--detach", action="store_true", help="local profile: run in the background (follow with "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hpc_verl.cli.render import add_plan_arguments
+from hpc_verl.cli.common import add_plan_arguments
 
 
 def register(subparsers: Any) -> None:
