@@ -194,8 +194,7 @@ def main() -> int:
         import shutil
 
         shutil.rmtree(temp_root, ignore_errors=True)
-        if owned:
-            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # job dirs and profiles (a reused test bed lives elsewhere)
     return 0
 
 

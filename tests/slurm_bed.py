@@ -115,7 +115,7 @@ def _listening_ports() -> set[int]:
 
 
 def leftovers(job_dir: str, job_id: int, wait_s: float = 30) -> list[str]:
-    """Ray processes, containers or listening ports of this job still around (empty = clean).
+    """Ray processes, containers, listening ports or Ray temp dirs of this job still around (empty = clean).
 
     Polls up to ``wait_s``: SLURM finishes a job's steps shortly after it reports the state.
     """
@@ -130,6 +130,8 @@ def leftovers(job_dir: str, job_id: int, wait_s: float = 30) -> list[str]:
             for pid in [st.get("supervisor_pid"), st.get("raylet_pid"), *st.get("ray_pids", [])]:
                 if pid and procs.alive(pid) and st.get("role") and not _in_container(st):
                     found.append(f"{p.stem}: pid {pid} ({procs.comm(pid)}) alive")
+            if st.get("temp_dir") and Path(st["temp_dir"]).exists():
+                found.append(f"{p.stem}: Ray temp dir {st['temp_dir']} left")
             ports = st.get("ports") or {}
             if ports:
                 mine = set(range(ports["block_start"], ports["block_start"] + 100))

@@ -89,6 +89,8 @@ def test_stages_in_order_and_skipped_after_requeue(fc):
     assert [c for c in first.calls("python") if c[1:3] == ["hpc_verl.bootstrap", "head"]]
     wait = [c for c in first.calls("python") if c[1:3] == ["hpc_verl.bootstrap", "wait"]][0]
     assert wait[wait.index("--job-dir") + 1] == str(first.run_dir)
+    # teardown asks the node supervisors to stop (they remove their temp dirs) before any TERM
+    assert (first.run_dir / "ray" / "stop").exists()
 
     again = fc.run(script, SLURM_RESTART_COUNT="1")
     assert again.rc == 0, again.stderr

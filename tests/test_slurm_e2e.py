@@ -80,7 +80,9 @@ def test_a_submit_two_node_job(slurm_testbed, tmp_path):
     plan = json.loads((Path(job_dir) / "ray" / "plan.json").read_text())
     assert plan["node_slots"] == {"node1": 0, "node2": 1}  # two SLURM nodes on one host: own ports each
     assert oct(os.stat(Path(job_dir) / "ray" / "token").st_mode & 0o777) == "0o600"
-    assert_clean(job_dir, job_id)
+    assert_clean(job_dir, job_id)  # includes each node's Ray temp dir
+    for node in ("node1", "node2"):  # ... whose logs were kept in the run directory first
+        assert (Path(job_dir) / "logs" / "ray" / node / "raylet.out").exists()
 
 
 def test_b_python_submitit_api(slurm_testbed, tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -162,11 +163,11 @@ class NodeSupervisor:
                               {"node": self.node, "ip": ip, "address": f"{ip}:{ports.gcs}",
                                "gcs_port": ports.gcs, "dashboard_port": ports.dashboard,
                                "client_port": ports.client, "dashboard_host": self.plan["dashboard_host"]})
-        while child.poll() is None and not self.stopping:
+        while child.poll() is None and not self._stop_requested():
             if time.monotonic() > deadline:
                 raise BootstrapError(self._start_failure(child, log_path, "ray start did not return"))
             time.sleep(0.1)
-        if self.stopping:
+        if self._stop_requested():
             return 0
         if child.returncode != 0:
             raise BootstrapError(self._start_failure(child, log_path, f"ray start exited {child.returncode}"))
@@ -174,8 +175,7 @@ class NodeSupervisor:
         self.state(state="running", raylet_pid=raylet, ray_pids=procs.descendants(os.getpid()))
         print(f"hpc_verl.bootstrap[{self.node}]: Ray {'head' if self.is_head else 'worker'} up at {ip} "
               f"(ports {ports.block_start}+, temp {self.temp_dir})", flush=True)
-        stop_file = ray_dir(self.job_dir) / "stop"
-        while not self.stopping and not stop_file.exists():
+        while not self._stop_requested():
             procs.reap()
             if raylet is None or not procs.alive(raylet):
                 raise BootstrapError(f"node {self.node}: raylet exited; see {self.temp_dir}/session_latest/logs")
@@ -205,4 +205,35 @@ class NodeSupervisor:
         """Stop every process this supervisor started (its descendants), nothing else."""
         killed = procs.kill_tree(os.getpid(), grace_s=6.0)
         st = read_json(ray_dir(self.job_dir) / "nodes" / f"{self.node}.json") or {}
-        self.state(state="failed" if st.get("state") == "failed" else "stopped", stopped_pids=killed)
+        removed = self._remove_temp_dir()
+        self.state(state="failed" if st.get("state") == "failed" else "stopped", stopped_pids=killed,
+                   temp_dir_removed=removed)
+
+    def _remove_temp_dir(self) -> bool:
+        """Ray's per-node temp dir (sockets, session logs, spilled objects) goes with the job, so
+        node-local disks do not fill up run after run; its logs are kept in the run directory
+        first (the batch script's collect stage copies them while Ray runs; on an early exit,
+        nobody did). A failed copy keeps the temp dir: logs are never lost for tidiness."""
+        temp = Path(self.temp_dir)
+        if not temp.exists():
+            return True
+        dst = Path(self.job_dir) / "logs" / "ray" / self.node
+        try:
+            if not dst.exists():
+                src = temp / "session_latest" / "logs"
+                if src.is_dir():
+                    shutil.copytree(src, dst, symlinks=True)
+            start_log = temp / "ray-start.log"
+            if start_log.exists():
+                dst.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(start_log, dst / "ray-start.log")
+        except (OSError, shutil.Error) as exc:
+            print(f"hpc_verl.bootstrap[{self.node}]: keeping {temp}: its logs could not be saved ({exc})",
+                  file=sys.stderr, flush=True)
+            return False
+        shutil.rmtree(temp, ignore_errors=True)
+        try:
+            temp.parent.rmdir()  # <temp_dir_root>/<job id>, once its last node on this host is gone
+        except OSError:
+            pass
+        return not temp.exists()
