@@ -41,6 +41,15 @@ def test_every_shipped_profile_loads(sandbox):
         assert p.to_dict()["slurm"]["nodes"] >= 1
 
 
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_port_blocks_stay_below_the_default_ephemeral_range(sandbox, name):
+    """Linux hands out 32768+ for outgoing connections: a Ray port planned there can be taken by
+    any client socket on the node (the node then has to move to another block)."""
+    r = load_profile(name).ray
+    assert r.port_base >= 1024
+    assert r.port_base + r.port_slots * r.port_stride <= 32768, (r.port_base, r.port_slots, r.port_stride)
+
+
 def test_shipped_profiles_have_their_hardware(sandbox):
     a100 = load_profile("ib-a100")
     assert (a100.slurm.gpus_per_node, a100.accelerator, a100.network.transport) == (8, "nvidia", "infiniband")
@@ -207,3 +216,22 @@ def test_docs_describe_every_field():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "profiles.md").read_text()
     missing = [name for name, *_ in schema_fields() if f"| `{name}` |" not in docs]
     assert not missing, f"docs/profiles.md lacks rows for: {missing}"
+
+
+def test_docs_defaults_match_the_schema():
+    """The reference table's default column (numbers and booleans) follows the schema."""
+    import re
+    from pathlib import Path
+
+    from hpc_verl.profiles import schema_fields
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "profiles.md").read_text()
+    wrong = []
+    for name, _type, default, _doc in schema_fields():
+        if not isinstance(default, (int, float)):
+            continue
+        text = str(default).lower() if isinstance(default, bool) else str(default)
+        m = re.search(rf"^\| `{re.escape(name)}` \| [^|]+ \| ([^|]+) \|", docs, re.M)
+        if m and m.group(1).strip() != f"`{text}`":
+            wrong.append(f"{name}: docs {m.group(1).strip()}, schema {text}")
+    assert not wrong, wrong

@@ -84,7 +84,7 @@ def test_stages_in_order_and_skipped_after_requeue(fc):
     assert "trainer.nnodes=2" in trainer_runs[0] and "trainer.n_gpus_per_node=4" in trainer_runs[0]
     # ports derived from the job id at run time: base + (id % slots) * stride
     plan = [c for c in first.calls("python") if c[1:3] == ["hpc_verl.bootstrap", "plan"]][0]
-    assert plan[plan.index("--port-base") + 1] == "40000" and plan[plan.index("--port-slots") + 1] == "200"
+    assert plan[plan.index("--port-base") + 1] == "20000" and plan[plan.index("--port-slots") + 1] == "120"
     assert plan[plan.index("--job-id") + 1] == JOB_ID and plan[plan.index("--gpus-per-node") + 1] == "4"
     assert [c for c in first.calls("python") if c[1:3] == ["hpc_verl.bootstrap", "head"]]
     wait = [c for c in first.calls("python") if c[1:3] == ["hpc_verl.bootstrap", "wait"]][0]

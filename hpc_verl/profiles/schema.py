@@ -269,8 +269,9 @@ class RaySection:
     port_base: int = _f(20000, doc="first port of the range Ray ports are carved from", check=_between(1024, 65000))
     port_stride: int = _f(100, doc="ports per job: job `J` uses `port_base + (J % port_slots) * port_stride` "
                           "and the `port_stride` ports after it", check=_between(20, 10000))
-    port_slots: int = _f(400, doc="number of port blocks (jobs sharing a node never collide unless their ids "
-                         "are equal modulo this)", check=_between(1, 10000))
+    port_slots: int = _f(120, doc="number of port blocks (jobs sharing a node never collide unless their ids "
+                         "are equal modulo this); the default range 20000-31999 stays below the kernel's "
+                         "ephemeral ports (32768+)", check=_between(1, 10000))
     readiness_timeout_s: int = _f(300, doc="bound of the readiness barrier (all nodes and GPUs registered)",
                                   check=_between(5, 7200))
     temp_dir_root: str = _f("/tmp/hpcv-ray", doc="root of the per-job Ray `--temp-dir` (keep it short: Unix "
