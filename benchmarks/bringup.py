@@ -167,15 +167,30 @@ def main() -> int:
         cfg = work / "job.yaml"
         cfg.write_text("name: bench\ntrainer:\n  module: hpc_verl.bootstrap.workload\n  args: [--steps, '0']\n"
                        "  derive_overrides: false\n")
+        from rich.console import Console
+        from rich.progress import Progress
+        from rich.table import Table
+
+        console = Console()
+        table = Table(title="batch script start -> Ray ready, 2-node test bed")
+        for col in ("run", "ours (s)", "sleep-based (s)", "ratio", "nodes up at sleep-based 'ready'"):
+            table.add_column(col, justify="right")
         ours, base, early = [], [], 0
-        for i in range(args.runs):  # interleaved, so machine load hits both alike
-            ours.append(run_ours(env, str(cfg)))
-            t, alive = run_baseline(env, work, temp_root, i)
-            base.append(t)
-            early += alive < 2
-            note = "" if alive >= 2 else f" (declared ready, but only {alive}/2 nodes alive right after)"
-            print(f"run {i + 1}: ours {ours[-1]:.2f}s  sleep-based {base[-1]:.2f}s{note}", flush=True)
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("bring-up runs (ours, then sleep-based)", total=2 * args.runs)
+            for i in range(args.runs):  # interleaved, so machine load hits both alike
+                ours.append(run_ours(env, str(cfg)))
+                progress.advance(task)
+                t, alive = run_baseline(env, work, temp_root, i)
+                progress.advance(task)
+                base.append(t)
+                early += alive < 2
+                note = "" if alive >= 2 else f" (declared ready, but only {alive}/2 nodes alive right after)"
+                progress.console.print(f"run {i + 1}: ours {ours[-1]:.2f}s  sleep-based {base[-1]:.2f}s{note}")
+                table.add_row(str(i + 1), f"{ours[-1]:.2f}", f"{t:.2f}", f"{ours[-1] / t:.2f}", f"{alive}/2")
         mo, mb = statistics.median(ours), statistics.median(base)
+        table.add_row("median", f"{mo:.2f}", f"{mb:.2f}", f"{mo / mb:.2f}", "", style="bold")
+        console.print(table)
         print(json.dumps({"ours_median_s": round(mo, 2), "sleep_based_median_s": round(mb, 2),
                           "ratio": round(mo / mb, 3), "runs": args.runs, "ours": ours, "sleep_based": base,
                           "sleep_based_ready_too_early": early}))
