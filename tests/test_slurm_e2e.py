@@ -120,6 +120,28 @@ def test_c_podman_runtime(slurm_testbed, tmp_path):
     assert_clean(job_dir, job_id)
 
 
+def test_c_image_holds_python_ray_and_the_project(slurm_testbed):
+    """The podman image is built here (no registry) and is not a shell around host mounts: a
+    container with no volume at all imports Ray (with its dashboard agent) and the project."""
+    bed = slurm_testbed
+    if not bed.podman_image:
+        pytest.skip("podman not installed (scripts/setup.sh installs it)")
+    import ray
+
+    from hpc_verl.testbed.image import PODMAN_GLOBAL, PODMAN_RUN
+
+    repo = Path(__file__).resolve().parents[1]
+    code = ("import ray, ray.dashboard.agent, hpc_verl.bootstrap.node as n; "
+            "print(ray.__version__, n.__file__)")
+    out = subprocess.run(["podman", *PODMAN_GLOBAL, "run", "--rm", *PODMAN_RUN, "--env", f"PYTHONPATH={repo}",
+                          bed.podman_image, sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    version, path = out.stdout.split()
+    assert version == ray.__version__ and path.startswith(str(repo))
+    prof = yaml.safe_load((bed.dir / "profiles" / "testbed-podman-local.yaml").read_text())
+    assert not prof["container"].get("mounts")  # the jobs bind only their own directories
+
+
 def test_d_worker_that_cannot_start_fails_fast_naming_the_node(slurm_testbed, tmp_path):
     bed = slurm_testbed
     hang_id, hang_dir = submit(bed, "testbed-local", job_yaml(tmp_path, "dhang"), "ray.readiness_timeout_s=25",

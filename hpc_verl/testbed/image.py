@@ -1,25 +1,28 @@
 """The test bed's container image for the podman runtime, built locally (no registry).
 
-Honest about what it is: a *skeleton* image made with ``podman import`` from a
-tiny root filesystem (``/etc/passwd``, ``/etc/group``, empty mount points). The
-interpreter, Ray and the project come from this host's installation through
-read-only bind mounts listed in the generated profile (``container.mounts``):
-``/usr``, ``/lib*``, ``/bin``, the Python installation, the virtualenv and the
-project checkout. Containers are real podman containers (own mount/PID/UTS
-namespaces, names, ``--rm``, ``--init``); only the image build is cut short, so
-it takes a second and is cached by a content key (tag). A real site image is
-built from ``containers/`` instead.
+The image holds what a node needs to run a job, copied from this host at the same
+absolute paths: the Python interpreter and its standard library, the virtualenv's
+packages that Ray (with its dashboard and agents) and the project need (their
+dependency closure, from the installed distributions' metadata), the project
+itself, a shell and ``sleep``, and every shared library all of that links against
+(``ldd``). Nothing comes from the host at run time except the job's own
+directories, which the launcher binds as on a real site. ``podman import`` turns
+the tree into ``localhost/hpc-verl-testbed:<content key>``; the key hashes every
+file's path, size and mtime, so a changed venv or project makes a new image and an
+unchanged one is reused. A real site image is built from ``containers/`` instead.
 """
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import subprocess
 import sys
-import sysconfig
 import tarfile
+import tempfile
 from pathlib import Path
+from typing import Iterable
 
 from hpc_verl.testbed.cluster import TestBedError
 
@@ -27,50 +30,204 @@ IMAGE_REPO = "localhost/hpc-verl-testbed"
 PODMAN_GLOBAL = ["--runtime", "runc", "--cgroup-manager=cgroupfs"]
 PODMAN_RUN = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
 REPO = Path(__file__).resolve().parents[2]
+BUILDER_VERSION = "2"  # bump when the image's layout changes
+# what the job's node side runs in a container besides Python: the keep-alive process and a shell
+TOOLS = ("sleep", "sh", "bash", "env", "cat", "ls", "mkdir", "rm", "cp", "date", "head", "tail", "hostname")
+PROJECT_DIRS = ("hpc_verl", "templates", "cluster_profiles")
+# (and config-*: the static libpython and build files)
+STDLIB_SKIP = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip",
+               "lib2to3", "pydoc_data"}
+
+# Run by the job's Python: where its interpreter and stdlib are, and the files of every installed
+# distribution that Ray (with the dashboard: ray[default]) and the project need, transitively.
+_PROBE = r"""
+import json, sys, sysconfig
+from importlib import metadata
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+roots = sys.argv[1:]
+try:
+    roots += [r for r in (metadata.distribution("hpc-verl").requires or []) if "extra ==" not in r]
+except metadata.PackageNotFoundError:
+    pass
+seen, files, todo = set(), [], [Requirement(r) for r in roots]
+while todo:
+    req = todo.pop()
+    key = (canonicalize_name(req.name), frozenset(req.extras))
+    if key in seen:
+        continue
+    seen.add(key)
+    try:
+        dist = metadata.distribution(req.name)
+    except metadata.PackageNotFoundError:
+        continue
+    files += [str(dist.locate_file(f)) for f in (dist.files or [])]
+    for text in dist.requires or []:
+        sub = Requirement(text)
+        if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in (*req.extras, "")):
+            todo.append(sub)
+paths = sysconfig.get_paths()
+print(json.dumps({"executable": sys.executable, "base_executable": getattr(sys, "_base_executable", sys.executable),
+                  "prefix": sys.prefix, "base_prefix": sys.base_prefix, "stdlib": paths["stdlib"],
+                  "platstdlib": paths["platstdlib"], "files": files}))
+"""
 
 
-def host_mounts(python: str | None = None) -> list[str]:
-    """Read-only bind mounts that give the skeleton image Python, Ray and the project."""
-    py = Path(python or sys.executable)
-    venv = py.parent.parent  # <venv>/bin/python
-    base = Path(sysconfig.get_config_var("prefix") or sys.base_prefix).resolve()
-    if hasattr(sys, "base_prefix"):
-        base = Path(sys.base_prefix).resolve()
-    dirs = ["/usr", "/bin", "/sbin", "/lib", "/lib64", str(base), str(venv), str(REPO)]
-    seen, out = set(), []
-    for d in dirs:
-        real = os.path.realpath(d)
-        if os.path.islink(d) and d.count("/") == 1:
-            continue  # merged-/usr hosts: /bin -> usr/bin is a symlink in the skeleton
-        if os.path.isdir(d) and real not in seen and not any(real.startswith(s + "/") for s in seen):
-            seen.add(real)
-            out.append(f"{real}:{real}:ro")
-    return out
+def _probe(python: str) -> dict:
+    roots = ["ray[default]", "pyyaml", "jinja2", "rich"]
+    try:
+        out = subprocess.run([python, "-c", _PROBE, *roots], capture_output=True, text=True, timeout=120)
+    except OSError as exc:
+        raise TestBedError(f"cannot run {python} to list the image's contents: {exc}") from None
+    if out.returncode != 0:
+        raise TestBedError(f"{python} could not list its packages for the image: {out.stderr.strip()[-400:]}")
+    return json.loads(out.stdout)
 
 
-def content_key(python: str | None = None) -> str:
-    h = hashlib.sha256()
-    for m in host_mounts(python):
-        h.update(m.encode())
-    h.update(sys.version.encode())
+def _canonical(path: str) -> str:
+    """The path with symlinked directories resolved and the last component kept (it may be a link)."""
+    head, tail = os.path.split(os.path.abspath(path))
+    return os.path.join(os.path.realpath(head), tail)
+
+
+class _Tree:
+    """The set of host paths the image holds (files and symlinks; directories come with them)."""
+
+    def __init__(self) -> None:
+        self.paths: set[str] = set()
+
+    def add(self, path: str) -> None:
+        p = _canonical(path)
+        if p in self.paths or not os.path.lexists(p):
+            return
+        if os.path.islink(p):
+            self.paths.add(p)
+            target = os.path.join(os.path.dirname(p), os.readlink(p))
+            self.add(target)
+        elif os.path.isdir(p):
+            self.add_tree(p)
+        else:
+            self.paths.add(p)
+
+    def add_tree(self, root: str, skip: Iterable[str] = ()) -> None:
+        skip = set(skip)
+        for dirpath, dirnames, filenames in os.walk(_canonical(root)):
+            dirnames[:] = [d for d in dirnames if d not in skip and not (skip and d.startswith("config-"))]
+            for name in filenames:
+                self.add(os.path.join(dirpath, name))
+            for name in dirnames:
+                if os.path.islink(os.path.join(dirpath, name)):
+                    self.add(os.path.join(dirpath, name))
+
+    def elf_files(self) -> list[str]:
+        out = []
+        for p in sorted(self.paths):
+            if os.path.islink(p):
+                continue
+            try:
+                with open(p, "rb") as fh:
+                    if fh.read(4) == b"\x7fELF":
+                        out.append(p)
+            except OSError:
+                continue
+        return out
+
+
+def _shared_libraries(files: list[str]) -> set[str]:
+    """Every library the dynamic linker would load for these ELF files (and the linker itself)."""
+    libs: set[str] = set()
+    for i in range(0, len(files), 200):
+        out = subprocess.run(["ldd", *files[i:i + 200]], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            line = line.strip()
+            if "=>" in line:
+                target = line.split("=>", 1)[1].strip().split(" (")[0]
+                if target.startswith("/"):
+                    libs.add(target)
+            elif line.startswith("/") and " (" in line:
+                libs.add(line.split(" (")[0])
+    return libs
+
+
+def image_tree(python: str | None = None) -> _Tree:
+    """What the image holds, as host paths (see the module docstring)."""
+    info = _probe(python or sys.executable)
+    tree = _Tree()
+    for exe in {info["executable"], info["base_executable"]}:
+        tree.add(exe)
+        tree.add(os.path.realpath(exe))
+    for d in {info["stdlib"], info["platstdlib"]}:
+        tree.add_tree(d, skip=STDLIB_SKIP)
+    if info["prefix"] != info["base_prefix"]:  # a virtualenv: its config and bin/python links
+        tree.add(os.path.join(info["prefix"], "pyvenv.cfg"))
+        for name in os.listdir(os.path.join(info["prefix"], "bin")):
+            if name.startswith("python"):
+                tree.add(os.path.join(info["prefix"], "bin", name))
+    for f in info["files"]:  # the distributions' own files (with their .pth files; editable installs too)
+        tree.add(f)
+    for d in PROJECT_DIRS:
+        tree.add_tree(str(REPO / d))
+    for tool in TOOLS:
+        for d in ("/usr/bin", "/bin"):
+            if os.path.exists(os.path.join(d, tool)):
+                tree.add(os.path.join(d, tool))
+                break
+    for f in ("/etc/ld.so.cache", "/etc/ld.so.conf"):
+        tree.add(f)
+    if os.path.isdir("/etc/ld.so.conf.d"):
+        tree.add_tree("/etc/ld.so.conf.d")
+    for lib in _shared_libraries(tree.elf_files()):
+        tree.add(lib)
+        tree.add(os.path.realpath(lib))
+    return tree
+
+
+def content_key(tree: _Tree) -> str:
+    h = hashlib.sha256(BUILDER_VERSION.encode())
+    for p in sorted(tree.paths):
+        st = os.lstat(p)
+        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return h.hexdigest()[:12]
 
 
-def _skeleton_tar() -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for d in ("etc", "tmp", "root", "proc", "sys", "dev", "run", "var", "var/tmp", "usr", "bin", "sbin",
-                  "lib", "lib64", "home"):
-            info = tarfile.TarInfo(d)
-            host = "/" + d
-            if d in ("bin", "sbin", "lib", "lib64") and os.path.islink(host):
-                info.type = tarfile.SYMTYPE
-                info.linkname = os.readlink(host)
-                tar.addfile(info)
-                continue
+def _write_tar(tree: _Tree, out: Path) -> None:
+    with tarfile.open(out, "w") as tar:
+        dirs: set[str] = set()
+        for name in ("tmp", "var/tmp", "root", "proc", "sys", "dev", "run", "home", "etc"):
+            info = tarfile.TarInfo(name)
             info.type = tarfile.DIRTYPE
-            info.mode = 0o1777 if d in ("tmp", "var/tmp") else 0o755
+            info.mode = 0o1777 if name.endswith("tmp") else 0o755
             tar.addfile(info)
+            dirs.add("/" + name)
+        # merged-/usr hosts: /bin, /lib, /lib64, /sbin are links into /usr
+        for link in ("/bin", "/sbin", "/lib", "/lib64"):
+            if os.path.islink(link):
+                info = tarfile.TarInfo(link[1:])
+                info.type = tarfile.SYMTYPE
+                info.linkname = os.readlink(link)
+                tar.addfile(info)
+                dirs.add(link)
+        for p in sorted(tree.paths):
+            parents = []
+            d = os.path.dirname(p)
+            while d not in dirs and d != "/":
+                parents.append(d)
+                d = os.path.dirname(d)
+            for d in reversed(parents):
+                info = tar.gettarinfo(d, arcname=d[1:])
+                info.uid = info.gid = 0
+                info.uname = info.gname = "root"
+                tar.addfile(info)
+                dirs.add(d)
+            info = tar.gettarinfo(p, arcname=p[1:])
+            info.uid = info.gid = 0
+            info.uname = info.gname = "root"
+            if info.isreg():
+                with open(p, "rb") as fh:
+                    tar.addfile(info, fh)
+            else:
+                tar.addfile(info)
         for name, text in (("etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"),
                            ("etc/group", "root:x:0:\n"), ("etc/hostname", "hpcv\n")):
             data = text.encode()
@@ -78,23 +235,36 @@ def _skeleton_tar() -> bytes:
             info.size = len(data)
             info.mode = 0o644
             tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
-def _podman(*args: str, input_bytes: bytes | None = None, timeout_s: float = 120) -> subprocess.CompletedProcess:
+def _podman(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(["podman", *PODMAN_GLOBAL, *args], input=input_bytes, capture_output=True,
-                              timeout=timeout_s)
+        return subprocess.run(["podman", *PODMAN_GLOBAL, *args], capture_output=True, timeout=timeout_s)
     except FileNotFoundError:
         raise TestBedError("podman not found; install it with 'bash scripts/setup.sh' (apt: podman runc)") from None
 
 
 def build_image(python: str | None = None) -> str:
     """Build (or reuse) the image; returns its reference ``localhost/hpc-verl-testbed:<key>``."""
-    ref = f"{IMAGE_REPO}:{content_key(python)}"
+    tree = image_tree(python)
+    ref = f"{IMAGE_REPO}:{content_key(tree)}"
     if _podman("image", "exists", ref).returncode == 0:
         return ref
-    proc = _podman("import", "--change", "CMD [\"/bin/sh\"]", "-", ref, input_bytes=_skeleton_tar())
+    with tempfile.TemporaryDirectory(prefix="hpcv-image-") as tmp:
+        tar_path = Path(tmp) / "rootfs.tar"
+        _write_tar(tree, tar_path)
+        proc = _podman("import", "--change", 'CMD ["sleep", "infinity"]', str(tar_path), ref)
     if proc.returncode != 0:
         raise TestBedError(f"podman import failed: {proc.stderr.decode(errors='replace').strip()[-300:]}")
+    _prune_old(ref)
     return ref
+
+
+def _prune_old(keep: str) -> None:
+    """Drop this repository's images older than an hour (each is ~500 MB; a changed project makes a
+    new one). Recent ones stay for other checkouts' test runs; podman refuses to remove one in use."""
+    listed = _podman("images", "--filter", f"reference={IMAGE_REPO}", "--filter", "until=1h",
+                     "--format", "{{.Repository}}:{{.Tag}}")
+    old = [r for r in listed.stdout.decode().split() if r != keep and r.startswith(IMAGE_REPO + ":")]
+    if old:
+        _podman("rmi", *old)
