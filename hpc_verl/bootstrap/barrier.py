@@ -41,23 +41,31 @@ class ClusterView:
 _CLIENTS: dict[str, Any] = {}  # one GCS client per address for the life of the process
 
 
-def gcs_view(address: str, timeout_s: float) -> ClusterView:
-    """Alive nodes (by their hpcv_node_<name> resource) and total GPUs, from the GCS."""
+def gcs_node_infos(address: str, timeout_s: float) -> tuple[dict[Any, Any] | None, str | None]:
+    """(node id -> GcsNodeInfo, None) from the GCS at ``address``, or (None, why not): one RPC on a
+    connection kept per address. Never blocks on a dead address (Ray's GcsClient would, ~40 s)."""
     from ray._raylet import GcsClient  # heavy import: only here
 
     client = _CLIENTS.get(address)
     if client is None:
         if not tcp_open(*split_address(address), timeout_s=min(timeout_s, 0.5)):
-            return ClusterView(error=f"nothing answers at {address}")  # (GcsClient would block ~40 s)
+            return None, f"nothing answers at {address}"
         try:
             client = _CLIENTS[address] = GcsClient(address=address)
-        except Exception as exc:  # the GCS may not be up yet: report and poll again
-            return ClusterView(error=_one_line(exc))
+        except Exception as exc:  # the GCS may not be up yet: report and ask again
+            return None, _one_line(exc)
     try:
-        infos = client.get_all_node_info(timeout=max(timeout_s, 0.2))
+        return client.get_all_node_info(timeout=max(timeout_s, 0.2)), None
     except Exception as exc:
         _CLIENTS.pop(address, None)
-        return ClusterView(error=_one_line(exc))
+        return None, _one_line(exc)
+
+
+def gcs_view(address: str, timeout_s: float) -> ClusterView:
+    """Alive nodes (by their hpcv_node_<name> resource) and total GPUs, from the GCS."""
+    infos, error = gcs_node_infos(address, timeout_s)
+    if infos is None:
+        return ClusterView(error=error)
     view = ClusterView()
     for info in infos.values():
         if info.state != 0:  # 0 = ALIVE

@@ -20,8 +20,6 @@ import sys
 import time
 from typing import Callable
 
-from hpc_verl.bootstrap.netif import split_address, tcp_open
-
 POLL_S = 0.05
 
 
@@ -52,20 +50,11 @@ def _read_address(head_file: str) -> str | None:
 
 def head_alive(address: str) -> Callable[[], bool]:
     """A probe: is the head node's raylet registered and alive in the GCS at ``address``?"""
-    from ray._raylet import GcsClient  # already imported with Ray's CLI: no extra cost
-
-    client: list[GcsClient] = []
+    from hpc_verl.bootstrap.barrier import gcs_node_infos  # Ray is already imported with its CLI
 
     def probe() -> bool:
-        if not client and not tcp_open(*split_address(address), timeout_s=0.5):
-            return False  # GcsClient would block ~40 s on an address where nothing listens
-        try:
-            if not client:
-                client.append(GcsClient(address=address))
-            infos = client[0].get_all_node_info(timeout=1.0)
-        except Exception:  # noqa: BLE001 - the GCS may be busy starting; ask again
-            return False
-        return any(i.is_head_node and i.state == 0 for i in infos.values())  # 0 = ALIVE
+        infos, _ = gcs_node_infos(address, 1.0)
+        return bool(infos) and any(i.is_head_node and i.state == 0 for i in infos.values())  # 0 = ALIVE
 
     return probe
 

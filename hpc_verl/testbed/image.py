@@ -22,7 +22,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Callable
 
 from hpc_verl.testbed.cluster import TestBedError
 
@@ -34,9 +34,12 @@ BUILDER_VERSION = "2"  # bump when the image's layout changes
 # what the job's node side runs in a container besides Python: the keep-alive process and a shell
 TOOLS = ("sleep", "sh", "bash", "env", "cat", "ls", "mkdir", "rm", "cp", "date", "head", "tail", "hostname")
 PROJECT_DIRS = ("hpc_verl", "templates", "cluster_profiles")
-# (and config-*: the static libpython and build files)
 STDLIB_SKIP = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip",
                "lib2to3", "pydoc_data"}
+
+
+def _stdlib_keep(name: str) -> bool:
+    return name not in STDLIB_SKIP and not name.startswith("config-")  # config-*: static libpython, build files
 
 # Run by the job's Python: where its interpreter and stdlib are, and the files of every installed
 # distribution that Ray (with the dashboard: ray[default]) and the project need, transitively.
@@ -110,10 +113,10 @@ class _Tree:
         else:
             self.paths.add(p)
 
-    def add_tree(self, root: str, skip: Iterable[str] = ()) -> None:
-        skip = set(skip)
+    def add_tree(self, root: str, keep: Callable[[str], bool] = lambda name: True) -> None:
+        """Everything below ``root``, except subdirectories whose name ``keep`` refuses."""
         for dirpath, dirnames, filenames in os.walk(_canonical(root)):
-            dirnames[:] = [d for d in dirnames if d not in skip and not (skip and d.startswith("config-"))]
+            dirnames[:] = [d for d in dirnames if keep(d)]
             for name in filenames:
                 self.add(os.path.join(dirpath, name))
             for name in dirnames:
@@ -155,10 +158,9 @@ def image_tree(python: str | None = None) -> _Tree:
     info = _probe(python or sys.executable)
     tree = _Tree()
     for exe in {info["executable"], info["base_executable"]}:
-        tree.add(exe)
-        tree.add(os.path.realpath(exe))
+        tree.add(exe)  # (a link brings its target)
     for d in {info["stdlib"], info["platstdlib"]}:
-        tree.add_tree(d, skip=STDLIB_SKIP)
+        tree.add_tree(d, keep=_stdlib_keep)
     if info["prefix"] != info["base_prefix"]:  # a virtualenv: its config and bin/python links
         tree.add(os.path.join(info["prefix"], "pyvenv.cfg"))
         for name in os.listdir(os.path.join(info["prefix"], "bin")):
@@ -179,7 +181,6 @@ def image_tree(python: str | None = None) -> _Tree:
         tree.add_tree("/etc/ld.so.conf.d")
     for lib in _shared_libraries(tree.elf_files()):
         tree.add(lib)
-        tree.add(os.path.realpath(lib))
     return tree
 
 
