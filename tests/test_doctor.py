@@ -98,6 +98,10 @@ def test_interface_docker_bridge_and_loopback_refused(tmp_path):
     inside = healthy(tmp_path / "in", ifaces={"eth0": "172.17.0.3/16"})  # a container without host network
     r = d.check_interface(ib_exp(interface="eth0"), Context(roots=inside, in_container=True))
     assert r.status == FAIL and "container bridge" in r.detail
+    # podman's default network too: doctor and the bootstrap share one rule (netif.is_bridge)
+    podman = healthy(tmp_path / "pod", ifaces={"eth0": "10.88.0.5/16"})
+    r = d.check_interface(ib_exp(interface="eth0"), Context(roots=podman, in_container=True))
+    assert r.status == FAIL and "container bridge" in r.detail
     r = d.check_interface(ib_exp(interface="lo"), Context(roots=roots))
     assert r.status == FAIL and "loopback" in r.detail
     assert d.check_interface(ib_exp(interface="lo", allow_loopback=True), Context(roots=roots)).status == OK

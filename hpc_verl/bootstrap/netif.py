@@ -53,13 +53,20 @@ def default_route_interface() -> str | None:
     return None
 
 
+def is_bridge(name: str, ip: str | None = None) -> bool:
+    """A container/VM bridge (by interface name, or docker's/podman's default network, which is
+    what eth0 carries inside a container without host networking): other nodes cannot reach it."""
+    return name.startswith(BRIDGE_PREFIXES) or (bool(ip) and any(ipaddress.ip_address(ip) in net
+                                                                 for net in BRIDGE_NETS))
+
+
 def refusal(name: str, ip: str, allow_loopback: bool) -> str | None:
     """Why ``ip`` on ``name`` cannot be a Ray address (None when it can)."""
     addr = ipaddress.ip_address(ip)
     if addr.is_loopback and not allow_loopback:
         return (f"{name} has loopback address {ip}; other nodes cannot reach it (set network.interface "
                 "to the cluster NIC, or network.allow_loopback: true on a single-host test bed)")
-    if name.startswith(BRIDGE_PREFIXES) or any(addr in net for net in BRIDGE_NETS):
+    if is_bridge(name, ip):
         return f"{name} ({ip}) is a container bridge address; other nodes cannot reach it"
     return None
 

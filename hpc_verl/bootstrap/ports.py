@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from hpc_verl.errors import BootstrapError
 
@@ -116,10 +117,10 @@ def busy_ports(ports: list[int], host: str = "") -> list[int]:
     return busy
 
 
-def ephemeral_range() -> tuple[int, int]:
+def ephemeral_range(proc: Path = Path("/proc")) -> tuple[int, int]:
     """The kernel's ephemeral port range (outgoing connections take ports from it)."""
     try:
-        lo, hi = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        lo, hi = (proc / "sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(lo), int(hi)
     except (OSError, ValueError):
         return 32768, 60999

@@ -34,9 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
 
 from hpc_verl.errors import SubmitError
-
-RAY_MIN_VERSION = "2.40"
-"""verl's requirement (seed 003, 2.2): older clusters have a different Jobs API."""
+from hpc_verl.util.versions import RAY_MIN_VERSION, version_tuple  # (verl's minimum: older Jobs APIs differ)
 
 DEFAULT_CONNECT_TIMEOUT_S = 20.0
 """Bound on the first request (a black-holed address would otherwise hang: Ray sets none)."""
@@ -149,20 +147,11 @@ def _read_token_file(path: Path, how: str) -> RayToken:
 # --------------------------------------------------------------------------- connection
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in re.split(r"[.+-]", version):
-        if not piece.isdigit():
-            break
-        parts.append(int(piece))
-    return tuple(parts) or (0,)
-
-
 def check_versions(client_version: str, cluster_version: str, address: str) -> None:
     """Both Rays must be >= RAY_MIN_VERSION; the message reports both versions."""
-    minimum = _version_tuple(RAY_MIN_VERSION)
+    minimum = version_tuple(RAY_MIN_VERSION)
     old = [who for who, v in (("client", client_version), ("cluster", cluster_version))
-           if _version_tuple(v) < minimum]
+           if version_tuple(v) < minimum]
     if old:
         fix = ("upgrade the cluster's Ray (pip install -U 'ray[default]>=2.40' in its environment)"
                if "cluster" in old else "upgrade Ray here: pip install -U 'ray[default]>=2.40'")

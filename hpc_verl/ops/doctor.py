@@ -20,11 +20,14 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+from hpc_verl.bootstrap.netif import is_bridge
+from hpc_verl.bootstrap.ports import busy_ports, ephemeral_range, pick_node_ports, port_block
 from hpc_verl.ops import sysinfo
 from hpc_verl.ops.sysinfo import Roots
+from hpc_verl.profiles.schema import RaySection
+from hpc_verl.util.versions import RAY_MIN_VERSION, version_tuple
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
-MIN_RAY = (2, 40)
 NOFILE_WANTED = 65536
 IB_TRANSPORTS = ("infiniband", "roce")
 
@@ -65,9 +68,9 @@ class Expectations:
     memlock_unlimited: bool = True
     accelerator: str = "none"
     gpus_per_node: int = 0
-    port_base: int = 20000
-    port_stride: int = 100
-    port_slots: int = 400
+    port_base: int = RaySection.port_base  # (the profile's defaults: one place)
+    port_stride: int = RaySection.port_stride
+    port_slots: int = RaySection.port_slots
     python: str = "python3"
 
     @classmethod
@@ -177,8 +180,8 @@ def check_interface(exp: Expectations, ctx: Context) -> CheckResult:
     if not addrs:
         return CheckResult(name, FAIL, f"'{iface}' has no IPv4 address (state {info.operstate})",
                            "bring it up ('ip addr') or pick the interface with the cluster network's address")
-    routable = [a for a in addrs if not a.startswith("127.") and not sysinfo.is_bridge(iface, a)]
-    if all(sysinfo.is_bridge(iface, a) for a in addrs):
+    routable = [a for a in addrs if not a.startswith("127.") and not is_bridge(iface, a)]
+    if all(is_bridge(iface, a) for a in addrs):
         return CheckResult(name, FAIL, f"'{iface}' ({', '.join(addrs)}) is a container bridge: other nodes "
                            "cannot reach Ray there", "set network.interface to the node's cluster NIC")
     if not routable and not exp.allow_loopback:
@@ -290,30 +293,9 @@ def check_nofile(exp: Expectations, ctx: Context) -> CheckResult:
 
 
 def job_port_range(job_id: int, port_base: int, port_stride: int, port_slots: int) -> range:
-    """Ports of a job's block: ``port_base + (job_id % port_slots) * port_stride``, ``port_stride`` long.
-
-    Uses the bootstrap's own layout (hpc_verl.bootstrap.ports) when present.
-    """
-    try:
-        from hpc_verl.bootstrap.ports import port_block
-    except ImportError:
-        start = port_base + (job_id % port_slots) * port_stride
-        return range(start, start + port_stride)
+    """Ports of a job's block: ``port_base + (job_id % port_slots) * port_stride``, ``port_stride`` long."""
     block = port_block(job_id, port_base=port_base, port_stride=port_stride, port_slots=port_slots)
     return range(block.block_start, block.block_start + port_stride)
-
-
-def busy_ports(ports: Sequence[int]) -> list[int]:
-    import socket
-
-    busy = []
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                busy.append(port)
-    return busy
 
 
 def check_ports(exp: Expectations, ctx: Context) -> CheckResult:
@@ -322,7 +304,7 @@ def check_ports(exp: Expectations, ctx: Context) -> CheckResult:
         return CheckResult(name, SKIP, "no job id (SLURM_JOB_ID unset); pass --job-id N to check that job's "
                            "port block")
     rng = job_port_range(ctx.job_id, exp.port_base, exp.port_stride, exp.port_slots)
-    busy = busy_ports(rng)
+    busy = busy_ports(list(rng))
     span = f"{rng.start}-{rng.stop - 1}"
     if busy:
         shown = ", ".join(map(str, busy[:8])) + (" ..." if len(busy) > 8 else "")
@@ -334,7 +316,7 @@ def check_ports(exp: Expectations, ctx: Context) -> CheckResult:
         return CheckResult(name, FAIL, f"job {ctx.job_id}'s Ray port block {span}: {len(busy)} in use "
                            f"({shown})", f"find the holder with 'ss -ltnp | grep :{busy[0]}'; if it is not "
                            "an older run of this job, change ray.port_base in the profile")
-    lo, hi = _ephemeral_range(ctx)
+    lo, hi = ephemeral_range(ctx.roots.proc)
     if rng.start <= hi and rng.stop - 1 >= lo:
         return CheckResult(name, WARN, f"job {ctx.job_id}'s block {span} is free but overlaps the ephemeral "
                            f"range {lo}-{hi}: outgoing connections may take its ports",
@@ -344,11 +326,7 @@ def check_ports(exp: Expectations, ctx: Context) -> CheckResult:
 
 
 def _bootstrap_fallback(job_id: int, exp: Expectations) -> int | None:
-    """Where the bootstrap's own port picker would go instead (None: it would fail, or is absent)."""
-    try:
-        from hpc_verl.bootstrap.ports import pick_node_ports
-    except ImportError:
-        return None
+    """Where the bootstrap's own port picker would go instead (None: it would fail)."""
     from hpc_verl.errors import HpcVerlError
 
     try:
@@ -357,22 +335,6 @@ def _bootstrap_fallback(job_id: int, exp: Expectations) -> int | None:
     except HpcVerlError:
         return None
     return block.block_start
-
-
-def _ephemeral_range(ctx: Context) -> tuple[int, int]:
-    try:
-        lo, hi = (ctx.roots.proc / "sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    out = []
-    for part in text.split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        out.append(int(digits) if digits else 0)
-    return tuple(out)
 
 
 def _host_view_note(exp: Expectations, ctx: Context) -> str:
@@ -393,11 +355,11 @@ def check_ray(exp: Expectations, ctx: Context) -> CheckResult:
         except importlib.metadata.PackageNotFoundError:
             version, where = None, _host_view_note(exp, ctx)
     soft = bool(where) and "host" in where
-    want = ".".join(map(str, MIN_RAY))
+    want = RAY_MIN_VERSION
     if not version:
         return CheckResult(name, WARN if soft else FAIL, f"Ray is not installed{where}",
                            f"pip install 'ray[default]>={want}'")
-    if _version_tuple(version) < MIN_RAY:
+    if version_tuple(version) < version_tuple(RAY_MIN_VERSION):
         return CheckResult(name, WARN if soft else FAIL, f"Ray {version}{where} is older than {want}",
                            f"pip install -U 'ray[default]>={want}'")
     return CheckResult(name, OK, f"Ray {version}{where}")

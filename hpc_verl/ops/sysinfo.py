@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import socket
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hpc_verl.bootstrap.netif import interface_ipv4
 
 
 @dataclass(frozen=True)
@@ -155,32 +156,9 @@ def ipv4_addresses(roots: Roots) -> list[tuple[str, str]]:
     if roots.proc == Path("/proc") and roots.sysfs == Path("/sys"):
         have = {name for name, _ in pairs}
         for name in os.listdir("/sys/class/net") if os.path.isdir("/sys/class/net") else []:
-            if name not in have and (ip := _ioctl_ipv4(name)):
+            if name not in have and (ip := interface_ipv4(name)):
                 pairs.append((name, ip))
     return pairs
-
-
-def _ioctl_ipv4(name: str) -> str | None:
-    try:
-        import fcntl
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-        return socket.inet_ntoa(packed[20:24])
-    except (OSError, ImportError):
-        return None
-
-
-BRIDGE_PREFIXES = ("docker", "br-", "veth", "cni", "podman", "virbr", "flannel", "cali")
-DOCKER_DEFAULT_NET = ipaddress.IPv4Network("172.17.0.0/16")
-
-
-def is_bridge(name: str, ip: str | None = None) -> bool:
-    """A container/VM bridge: other nodes cannot reach an address on it."""
-    if name.startswith(BRIDGE_PREFIXES):
-        return True
-    # docker's default bridge network: seen as eth0 inside a container without --network host
-    return bool(ip) and ipaddress.IPv4Address(ip) in DOCKER_DEFAULT_NET
 
 
 # ----------------------------------------------------------------------------- limits, shm
