@@ -48,9 +48,6 @@ class Stage:
     def set_ulysses(self, enabled: bool) -> None:
         self.ulysses = enabled
 
-    def get_ulysses(self) -> bool:
-        return self.ulysses
-
 
 class RolloutSim:
     """Stands in for actor_rollout: 'generates' with the policy version it holds."""

@@ -180,10 +180,8 @@ def check_feasible(graph: DataflowGraph, cluster: list[ClusterNode], total: list
         if any(_NodeState(cn).try_alloc([need]) is not None for cn in nodes):
             continue
         best = {k: max(float(cn.resources.get(k, 0.0)) for cn in nodes) for k in need}
-        wanted = ", ".join(f"{k}={v:g}" for k, v in sorted(need.items()))
-        have = ", ".join(f"{k}={v:g}" for k, v in sorted(best.items()))
-        raise DataflowError(f"node '{node.name}' asks for {wanted} per instance but no cluster node can hold it "
-                            f"(largest: {have}); lower its resources or add bigger nodes")
+        raise DataflowError(f"node '{node.name}' asks for {_fmt(need)} per instance but no cluster node can hold "
+                            f"it (largest: {_fmt(best)}); lower its resources or add bigger nodes")
 
 
 def make_plan(graph: DataflowGraph, cluster: list[ClusterNode], parallelism: dict[str, int] | None = None,

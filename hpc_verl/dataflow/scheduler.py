@@ -123,6 +123,11 @@ class HybridScheduler(MonitorMixin):
         self._total = total
         return make_plan(self.graph, free, total=total)
 
+    @property
+    def placement(self) -> PlacementPlan | None:
+        """The plan ``start()`` placed the graph by (None before it)."""
+        return self._plan
+
     def _decide(self, line: str) -> None:
         with self._lock:
             self.decisions.append(line)

@@ -382,12 +382,9 @@ def n_gpus_total(cfg: Mapping) -> int:
 
 
 def _get(cfg: Mapping, dotted: str, default: Any = None) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return default
-        node = node[part]
-    return default if node is None else node
+    """``get_path``, with an explicit null counting as unset (verl's YAML writes ``key: null``)."""
+    value = get_path(cfg, dotted)
+    return default if value is None else value
 
 
 def check_batch_arithmetic(cfg_dict: Mapping, n_gpus_total: int) -> list[str]:

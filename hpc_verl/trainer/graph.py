@@ -18,9 +18,6 @@ from hpc_verl.trainer import nodes as N
 
 log = logging.getLogger("hpc_verl.trainer")
 
-ROLE_NODES = {"rollout": "actor_rollout", "reward": "reward_score", "ref": "ref_logprob",
-              "critic": "critic", "actor": "actor_update"}
-
 
 def roles_for(cfg: Mapping) -> tuple[str, ...]:
     roles = ["rollout", "actor", "reward"]
@@ -109,14 +106,12 @@ class DataflowRunner:
     def __init__(self) -> None:
         self.sched: Any = None
         self._started_ray = False
-        self.cfg: dict = {}
 
     def start(self, cfg: Mapping, total_steps: int) -> None:
         import ray
 
         from hpc_verl.dataflow import HybridScheduler
 
-        self.cfg = dict(cfg)
         hv = cfg["hpc_verl"]
         if not ray.is_initialized():
             address = hv["ray_address"] or os.environ.get("RAY_ADDRESS")
@@ -134,9 +129,8 @@ class DataflowRunner:
         graph = build_ppo_graph(cfg, total_steps, name=f"ppo-{cfg['trainer']['experiment_name']}")
         run_dir = Path(os.path.expanduser(cfg["hpc_verl"]["run_dir"]))
         self.sched = HybridScheduler(graph, status_file=str(run_dir / "dataflow_status.json"))
-        plan = self.sched.plan()
-        log.info("dataflow plan:\n%s", plan)
         self.sched.start()
+        log.info("dataflow plan:\n%s", self.sched.placement)  # (the one start() placed by; planned once)
 
     def run_step(self, batch: dict) -> dict:
         out = self.sched.run({"actor_rollout": [batch]})

@@ -30,16 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc_verl.trainer.config import load_config, to_yaml, validate_for_run
+    from hpc_verl.trainer.config import load_config, to_yaml
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
-    if args.check:
-        validate_for_run(cfg)
-        from hpc_verl.trainer.model import check_model
-        check_model(cfg.actor_rollout_ref.model.path)
+    if args.check:  # PPOTrainer validates the config and checks the model itself
         from hpc_verl.trainer.ppo import PPOTrainer
         trainer = PPOTrainer(cfg, progress=False)
         print(f"ok: {len(trainer.dataset)} prompts, {trainer.total_steps} steps, run dir {trainer.run_dir}")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from hpc_verl.errors import HpcVerlError
+from hpc_verl.util.fs import atomic_target
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
@@ -151,8 +152,9 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
         ax.axis("off")
     fig.tight_layout()
     target = Path(out) if out else Path(run_dir) / PLOT_FILE
-    tmp = target.with_name(f".{target.name}.tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, target)
+    try:
+        with atomic_target(target) as tmp:
+            fig.savefig(tmp, dpi=90, format="png")  # (the temp name ends in .tmp)
+    finally:
+        plt.close(fig)
     return target

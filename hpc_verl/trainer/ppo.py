@@ -83,7 +83,9 @@ class PPOTrainer:
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.runner = runner
-        self.adv_node = "advantage" if cfg.algorithm.adv_estimator == "grpo" else "critic"
+        from hpc_verl.trainer.graph import adv_node_name
+
+        self.adv_node = adv_node_name(cfg)
         self.progress_enabled = cfg.hpc_verl.progress if progress is None else progress
         self.preempt = PreemptionFlag()
         self.last_checkpoint: Path | None = None

@@ -468,7 +468,6 @@ class CriticWorker(_TrainableWorker):
             trust_remote_code=cfg["actor_rollout_ref"]["model"]["trust_remote_code"]).to(self.device)
         self._make_optimizer(self.ccfg["optim"], total_steps)
         self.n = int(cfg["actor_rollout_ref"]["rollout"]["n"])
-        self.gen = torch.Generator().manual_seed(int(cfg["trainer"]["seed"]) + 202)
 
     def _values(self, batch: dict) -> Any:
         dev = self.device
@@ -495,7 +494,7 @@ class CriticWorker(_TrainableWorker):
         self.model.train()
         stats: dict[str, list[float]] = {}
         for _ in range(c["ppo_epochs"]):
-            for mb_idx in _minibatches(n_rows, mini, False, self.gen):
+            for mb_idx in _minibatches(n_rows, mini, False, None):  # (the critic does not shuffle)
                 mb = _sub(batch, mb_idx)
                 rows = mb["responses"].shape[0]
                 for sl in _chunks(rows, micro):
