@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hpc_verl.errors import ConfigError
-    from hpc_verl.ops.plan import make_plan, verify_plan
+    from hpc_verl.ops.plan import format_overrides, make_plan, verify_plan
     from hpc_verl.profiles import load_profile
     from hpc_verl.verl_upstream.config import schema as verl_schema
 
@@ -46,7 +46,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if problems:  # a bug in the rules, not a user error: say so plainly
         raise ConfigError(f"plan for profile '{profile.name}' failed its own checks: {problems[0]}")
     if args.format == "overrides":
-        print("\n".join(plan.overrides))
+        print(format_overrides(plan))
         return 0
     if args.format == "yaml":
         import yaml

@@ -9,6 +9,7 @@ Every message carries the numbers and a value that would work.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from hpc_verl.util.dotted import get_path
@@ -57,7 +58,7 @@ def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int
     if tbs is not None and not dynamic:
         total = tbs * n
         if total % n_gpus:
-            fix = f"data.train_batch_size={_nearby_multiples(tbs, n_gpus // _gcd(n, n_gpus))}"
+            fix = f"data.train_batch_size={_nearby_multiples(tbs, n_gpus // math.gcd(n, n_gpus))}"
             problems.append(f"data.train_batch_size ({tbs}) × {_ROLLOUT}.n ({n}) = {total} is not divisible "
                             f"by the {where}: every GPU must get the same number of samples; use e.g. {fix}")
 
@@ -131,21 +132,13 @@ def _check_minibatch(cfg: Mapping[str, Any], role: str, tbs: int | None, n: int,
     return out
 
 
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
 def check_trainer_config(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int) -> list[str]:
     """Arithmetic problems for the built-in trainer's config.
 
     The batch checks are the trainer's own ``check_batch_arithmetic`` (it knows
     its defaults); the tensor-parallel check, which it does not make, is added
-    here. Without the trainer module, the checks above stand in.
+    here.
     """
-    try:
-        from hpc_verl.trainer.config import check_batch_arithmetic
-    except ImportError:
-        return check_ppo_arithmetic(cfg, nnodes, gpus_per_node)
+    from hpc_verl.trainer.config import check_batch_arithmetic  # (light: no torch)
+
     return list(check_batch_arithmetic(cfg, nnodes * gpus_per_node)) + check_tensor_parallel(cfg, gpus_per_node)

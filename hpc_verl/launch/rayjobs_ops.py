@@ -296,8 +296,7 @@ def cancel(record: Any) -> str:
 def submit_to_registry(profile_name: str | None, config: str | None = None,
                        overrides: Sequence[str] = (), sets: Sequence[str] = (),
                        name: str | None = None, *, ray_address: str,
-                       token_file: str | Path | None = None, dry_run: bool = False,
-                       cluster_nodes: str | None = None) -> tuple[rayjobs.RayJobHandle | None, Any]:
+                       token_file: str | Path | None = None, dry_run: bool = False) -> tuple[rayjobs.RayJobHandle | None, Any]:
     """``hpc-verl submit --ray-address``: job directory + Ray submission + registry record.
 
     Without a profile, no environment block is sent (the cluster's own

@@ -68,10 +68,8 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
 
 
 def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck:
-    try:
-        from hpc_verl.trainer.config import load_config
-    except ImportError:
-        return TrainerCheck("builtin", warnings=["built-in trainer config not available: not checked"])
+    from hpc_verl.trainer.config import load_config
+
     overrides = _user_overrides(job)
     for item in overrides:
         key, _, value = item.partition("=")

@@ -99,9 +99,10 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
         cmd.warnings.append(msg)
         warnings.warn(msg, VerlNotInstalledWarning, stacklevel=2)
     problems: list[str] = []
+    all_parsed = parse_overrides(cmd.overrides, where)  # derived + user, as main_ppo gets them
     if schema is not None:
         cmd.verl_version = schema.version
-        problems += check_overrides(parse_overrides(cmd.overrides, where), schema, where)
+        problems += check_overrides(all_parsed, schema, where)
     if problems:
         raise ConfigError(one_line(problems))
     if schema is not None and schema.source == "hydra":
@@ -110,7 +111,7 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
         cmd.warnings.append("hydra-core is not installed: the overrides' keys were checked but not composed "
                             "(pip install hydra-core to compose them as main_ppo will)")
         resolved = {k: v for k, v in schema.defaults.items() if not (isinstance(v, str) and "${" in v)}
-        resolved.update(_flat_values(parse_overrides(cmd.overrides, where)))
+        resolved.update(_flat_values(all_parsed))
     else:
         resolved = _flat_values(parsed)
     problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node)

@@ -21,7 +21,6 @@ from typing import Any, Iterator, Mapping, Sequence
 from hpc_verl.errors import ConfigError
 
 CONFIG_NAME = "ppo_trainer"
-_MISSING = "???"
 
 
 @dataclass(frozen=True)
@@ -157,6 +156,3 @@ def schema(use_hydra: bool = True) -> VerlSchema | None:
         return None
     return load_schema(str(install.package_dir), use_hydra)
 
-
-def is_missing(value: Any) -> bool:
-    return isinstance(value, str) and value == _MISSING

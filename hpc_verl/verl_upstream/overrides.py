@@ -25,9 +25,6 @@ class Override:
     value: str | None
     op: str  # "set" | "add" | "force_add" | "delete"
 
-    def render(self) -> str:
-        return self.raw
-
 
 def parse_override(raw: str, where: str = "verl override") -> Override:
     """Split one Hydra override; raise ConfigError on a malformed one."""
@@ -132,16 +129,6 @@ def check_overrides(overrides: Sequence[Override], schema: VerlSchema,
             if bad:
                 problems.append(f"{where} '{ov.raw}': '{key}' {bad}")
     return problems
-
-
-def validate_overrides(raws: Sequence[str], schema: VerlSchema,
-                       where: str = "verl override") -> list[Override]:
-    """Parse and check; raise ConfigError naming every problem (one per line)."""
-    parsed = parse_overrides(raws, where)
-    problems = check_overrides(parsed, schema, where)
-    if problems:
-        raise ConfigError(one_line(problems))
-    return parsed
 
 
 def one_line(problems: Sequence[str]) -> str:
