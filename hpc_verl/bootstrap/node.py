@@ -98,19 +98,20 @@ class NodeSupervisor:
             return int(env_gpus)
         return int(self.plan["gpus_per_node"])
 
-    def ray_command(self, ip: str, ports: Any, head: dict[str, Any] | None) -> list[str]:
+    def ray_start_args(self, ip: str, ports: Any) -> list[str]:
+        """Arguments of ``ray start`` for this node; a worker's head address is the placeholder
+        ``@ADDRESS@``, which raystart fills in once the head is up."""
         resources = json.dumps({f"{NODE_RESOURCE_PREFIX}{self.node}": 1})
-        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", f"--node-ip-address={ip}",
-               f"--num-gpus={self._num_gpus()}", f"--temp-dir={self.temp_dir}",
-               f"--resources={resources}", "--disable-usage-stats", *ports.ray_start_args(self.is_head)]
+        args = [f"--node-ip-address={ip}", f"--num-gpus={self._num_gpus()}", f"--temp-dir={self.temp_dir}",
+                f"--resources={resources}", "--disable-usage-stats", *ports.ray_start_args(self.is_head)]
         if self.plan.get("num_cpus"):
-            cmd.append(f"--num-cpus={self.plan['num_cpus']}")
+            args.append(f"--num-cpus={self.plan['num_cpus']}")
         if self.is_head:
-            cmd += ["--head", f"--include-dashboard={'true' if self.plan['dashboard'] else 'false'}",
-                    f"--dashboard-host={self.plan['dashboard_host']}"]
+            args += ["--head", f"--include-dashboard={'true' if self.plan['dashboard'] else 'false'}",
+                     f"--dashboard-host={self.plan['dashboard_host']}"]
         else:
-            cmd.append(f"--address={head['address']}")
-        return cmd
+            args.append("--address=@ADDRESS@")
+        return args
 
     def run(self) -> int:
         """Start Ray on this node and supervise it; returns the exit code for the step."""
@@ -143,12 +144,12 @@ class NodeSupervisor:
             while not self._stop_requested():
                 time.sleep(0.2)
             return 1
-        cmd = self.ray_command(ip, ports, None if self.is_head else {"address": "@ADDRESS@"})
         # workers start Ray's CLI now and let it wait for the head's address (import off the critical path)
         rdir = ray_dir(self.job_dir)
         cmd = [sys.executable, "-m", "hpc_verl.bootstrap.raystart", "--stop-file", str(rdir / "stop"),
                "--timeout-s", str(max(deadline - time.monotonic(), 1.0))] \
-            + ([] if self.is_head else ["--head-file", str(rdir / "head.json")]) + ["--", *cmd[4:]]
+            + ([] if self.is_head else ["--head-file", str(rdir / "head.json")]) \
+            + ["--", *self.ray_start_args(ip, ports)]
         if fault == "crash":
             cmd = [sys.executable, "-c", "import sys; sys.exit('injected fault: ray start failed')"]
         os.makedirs(self.temp_dir, exist_ok=True)

@@ -17,9 +17,10 @@ def add_set_argument(parser: Any) -> None:
                         help="override a profile value (repeatable), e.g. --set slurm.nodes=4")
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser, *, profile_required: bool = True) -> None:
-    """The inputs of a launch plan, shared by render and validate."""
-    add_profile_argument(parser, required=profile_required)
+def add_plan_arguments(parser: argparse.ArgumentParser, *, profile_required: bool = True,
+                       profile_help: str = PROFILE_HELP) -> None:
+    """The inputs of a launch plan, shared by render, validate and submit."""
+    add_profile_argument(parser, required=profile_required, help=profile_help)
     parser.add_argument("--config", metavar="JOB.yaml", help="job config (trainer, data, model)")
     add_set_argument(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value",

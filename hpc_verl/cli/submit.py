@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import argparse
 
-from hpc_verl.cli.common import add_set_argument
+from hpc_verl.cli.common import PROFILE_HELP, add_plan_arguments
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="render a job for a SLURM profile and sbatch it, or send it to a "
                        "running Ray cluster (--ray-address / --cluster)")
-    p.add_argument("--profile", default=None, help="profile name or path (required for SLURM; with "
-                   "--ray-address it supplies the environment block and node/GPU counts)")
+    add_plan_arguments(p, profile_required=False,
+                       profile_help=PROFILE_HELP + " (required for SLURM; with --ray-address it supplies the "
+                       "environment block and node/GPU counts)")
     p.add_argument("--ray-address", default=None, metavar="URL",
                    help="submit through the Ray Jobs API of this cluster, e.g. http://HEAD:8265")
     p.add_argument("--ray-token-file", default=None, metavar="FILE",
@@ -18,13 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", default=None, metavar="JOB",
                    help="submit into a cluster held by 'hpc-verl cluster up' (its id; address, token "
                    "and profile come from the registry)")
-    p.add_argument("--config", default=None, help="job config YAML")
-    add_set_argument(p)
     p.add_argument("--name", default=None, help="job name (default: from the job config)")
     p.add_argument("--dry-run", action="store_true", help="write the job directory, do not submit")
     p.add_argument("--detach", action="store_true", help="local profile: run in the background (follow with "
                    "'hpc-verl logs JOB --follow', stop with 'hpc-verl cancel JOB'); default: foreground")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="trainer overrides")
     p.set_defaults(func=run)
 
 

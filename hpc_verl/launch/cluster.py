@@ -102,16 +102,13 @@ def find(ref: str | None = None) -> Any:
             raise ClusterError(f"job {ref} is not a cluster job (it was submitted with 'hpc-verl submit'); "
                                "'hpc-verl list' shows all jobs")
         return rec
-    alive = []
-    for rec in registry.all_jobs():
+    for rec in reversed(list(registry.all_jobs())):  # newest first: one SLURM query in the usual case
         if rec.role == CLUSTER_ROLE and rec.job_id is not None:
             info = slurm.job_info(rec.job_id, env=rec.env())
             if info is not None and not info.terminal:
-                alive.append(rec)
-    if not alive:
-        raise ClusterError("no running cluster job in the registry; start one with "
-                           "'hpc-verl cluster up --profile NAME --nodes N'")
-    return alive[-1]
+                return rec
+    raise ClusterError("no running cluster job in the registry; start one with "
+                       "'hpc-verl cluster up --profile NAME --nodes N'")
 
 
 def ready_info(rec: Any) -> dict[str, Any]:

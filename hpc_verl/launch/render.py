@@ -200,7 +200,6 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False) -> dict
         "sbatch_options": sbatch_options(profile, job) if profile.scheduler == "slurm" else [],
         "runtime": c.runtime,
         "runtime_partial": f"partials/runtime/{'apptainer' if c.runtime == 'singularity' else c.runtime}.sh.j2",
-        "runtime_bin": c.runtime if c.runtime in ("docker", "podman", "apptainer", "singularity") else "",
         "shm_size": docker_size(c.shm_size),
         "devices": devices,
         "env": env_block(profile),

@@ -26,8 +26,15 @@ def read_yaml(path: Path, what: str, error_cls: type[Exception], *, display: Opt
         raise error_cls(f"{what} {disp} cannot be read ({reason}); check the path and its permissions") \
             from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader) if compose else None
-        data = yaml.safe_load(text)
+        if compose:  # parse once: the node tree, and the data built from it
+            loader = yaml.SafeLoader(text)
+            try:
+                node = loader.get_single_node()
+                data = loader.construct_document(node) if node is not None else None
+            finally:
+                loader.dispose()
+        else:
+            node, data = None, yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{disp}:{mark.line + 1}" if mark else disp
