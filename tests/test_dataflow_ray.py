@@ -325,4 +325,4 @@ def test_handler_error_is_one_clear_line(cluster):
     sched = HybridScheduler(bad, backpressure=False)
     with pytest.raises(DataflowError, match=r"rollout_0 failed to start: .*no model at /nowhere"):
         sched.start()
-    assert not sched._instances["rollout"] and not sched._pgs  # cleaned up what it made
+    assert not sched.pool.instances["rollout"] and not sched.pool.procs and not sched.pool._pgs  # cleaned up

@@ -31,7 +31,7 @@ def test_gae_critic_kl_graph_and_exact_restore(tiny_model, digits_data, tmp_path
     assert [m["rollout/policy_version"] for m in h] == [0, 1, 2]  # each rollout used the latest policy
     assert all("critic/vf_loss" in m and "actor/kl_loss" in m for m in h)
     assert h[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
-    assert h[2]["kl/mean"] > 0
+    assert abs(h[2]["kl/mean"]) > 1e-6  # moved away from the reference (the k1 estimate may be negative)
     assert h[0]["kl/coef"] != h[2]["kl/coef"]  # adaptive controller moved
     # keep-last-2 rotation, latest pointer
     assert [s for s, _ in list_checkpoints(run)] == [2, 3]
@@ -43,19 +43,25 @@ def test_gae_critic_kl_graph_and_exact_restore(tiny_model, digits_data, tmp_path
     tr2.runner = InlineRunner()
     tr2.runner.start(tr2.cfg.to_dict(), tr2.total_steps)
     tr2._restore(latest_checkpoint(run))
-    from hpc_verl.trainer.checkpoint import load_checkpoint
-    state, parts = load_checkpoint(latest_checkpoint(run))
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from hpc_verl.trainer.checkpoint import load_checkpoint, read_sharded
+    ckpt = latest_checkpoint(run)
+    state, parts = load_checkpoint(ckpt)
+    saved_actor, saved_critic = read_sharded(ckpt / "actor"), read_sharded(ckpt / "critic")
     actor = tr2.runner.instances["actor_update"].worker
-    for k, v in actor.model.state_dict().items():
-        assert torch.equal(v, parts["actor"]["model"][k]), k
-    assert actor.optimizer.state_dict()["state"][0]["exp_avg"].equal(parts["actor"]["optimizer"]["state"][0]["exp_avg"])
+    model_sd, optim_sd = get_state_dict(actor.model.module, actor.optimizer)
+    for k, v in model_sd.items():
+        assert torch.equal(v, saved_actor["model"][k]), k
+    some = next(iter(optim_sd["state"]))
+    assert torch.equal(optim_sd["state"][some]["exp_avg"], saved_actor["optim"]["state"][some]["exp_avg"])
     critic_node = tr2.runner.instances["critic"]
-    for k, v in critic_node.worker.model.state_dict().items():
-        assert torch.equal(v, parts["adv"]["model"][k]), k
-    assert critic_node.kl_ctrl.value == parts["adv"]["kl_ctrl"]["value"]
+    for k, v in critic_node.worker.model.module.state_dict().items():
+        assert torch.equal(v, saved_critic["model"][k]), k
+    assert critic_node.kl_ctrl.value == torch.load(ckpt / "critic" / "kl_ctrl.pt")["kl_ctrl"]["value"]
     rollout = tr2.runner.instances["actor_rollout"].worker
     assert rollout.version == 3 and tr2.version == 3 and tr2.step == 3
     for k, v in rollout.model.state_dict().items():  # weights re-published to the rollout on resume
-        assert torch.equal(v, parts["actor"]["model"][k]), k
-    assert tr2.sampler.state_dict() == state["data"]
+        assert torch.equal(v, saved_actor["model"][k]), k
+    assert tr2.sampler.state_dict() == state["data"] and state["format"] == 2
     tr2.runner.shutdown()

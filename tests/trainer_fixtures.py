@@ -10,8 +10,8 @@ import pytest
 def tiny_model(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     from hpc_verl.trainer.model import make_tiny_model
-    from hpc_verl.trainer.ppo import _quiet_transformers
-    _quiet_transformers()
+    from hpc_verl.trainer.model import quiet_transformers
+    quiet_transformers()
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", hidden_size=64, num_layers=2, num_heads=4)
 
 
@@ -31,6 +31,6 @@ def digit_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: t
             "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0",
             "actor_rollout_ref.actor.entropy_coeff=0.01", "algorithm.adv_estimator=grpo",
             # Dr. GRPO-style (no division by the group std): robust on every seed tried (1-6)
-            "algorithm.norm_adv_by_std_in_grpo=false", "trainer.device=cpu",
+            "algorithm.norm_adv_by_std_in_grpo=false", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
             f"trainer.total_training_steps={steps}", f"hpc_verl.run_dir={run_dir}", "hpc_verl.progress=false",
             *extra]

@@ -6,6 +6,34 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class _TensorsMarker:
+    """Emitted instead of a payload: "my tensors, by the edge's tensor transport".
+
+    The source class implements ``export_tensors(data_type)`` (an iterator of
+    ``(name, tensor)``, run on every rank of its group together, so FSDP can
+    gather shard by shard) and the destination ``load_tensors(data_type,
+    named_tensors, version)``. The runtime moves them inside the process when
+    both nodes share a worker group, else by a bucketed broadcast over a sync
+    process group, never through the driver or the object store.
+    """
+
+    _instance: "_TensorsMarker | None" = None
+
+    def __new__(cls) -> "_TensorsMarker":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> tuple:
+        return (_TensorsMarker, ())
+
+    def __repr__(self) -> str:
+        return "TENSORS"
+
+
+TENSORS = _TensorsMarker()
+
+
 @dataclass
 class ControlMessage:
     """What a class instance's ``on_control`` receives."""
@@ -29,6 +57,11 @@ class WorkerContext:
     versions: dict[str, int] = field(default_factory=dict)
     control: dict[str, Any] = field(default_factory=dict)
     out_control: list[str] = field(default_factory=list)
+    rank: int = 0
+    world_size: int = 1
+    group: str | None = None
+    process_group: Any = None   # the torch.distributed group of a dist worker group (None otherwise)
+    shard_rows: tuple[int, int] | None = None   # split nodes: the rows [start, stop) of the current item
     _emitted: list[tuple[str, int, Any]] = field(default_factory=list)
 
     def emit_control(self, payload: Any, version: int, data_type: str | None = None) -> None:

@@ -1,6 +1,20 @@
 """Declaring an RL dataflow: nodes (functions or classes with resources and a
 parallelism) joined by data edges and versioned control edges.
 
+A node is dispatched one of three ways:
+
+- ``route`` (default): each item goes to one instance (the least busy); the
+  instances are independent replicas (a rule reward, say);
+- ``split``: each item is split over all instances (rows, or groups of rows that
+  share ``split_key``), every instance handles its shard and the shards are
+  gathered back in input order (rollout replicas, a reference forward);
+- ``spmd``: every instance gets the whole item and runs the same method as one
+  rank of a torch.distributed group; the result is rank 0's (a DDP/FSDP update).
+
+Split and spmd nodes live in a :class:`WorkerGroup`: W processes, one rank per
+resource bundle. Nodes that name the same group share its processes (verl's
+hybrid engine: actor, rollout and reference in one process per GPU).
+
 Pure Python, no Ray: a graph can be built, validated and planned anywhere.
 """
 from __future__ import annotations
@@ -17,6 +31,8 @@ from hpc_verl.util.suggest import did_you_mean
 # Items at or below this size are "small": their edge is co-located like co_locate=True.
 SMALL_ITEM_BYTES = 10_000_000
 CONSISTENCIES = ("eventual", "strong")
+DISPATCHES = ("route", "split", "spmd")
+BACKENDS = ("auto", "gloo", "nccl")
 
 _current = threading.local()
 
@@ -36,13 +52,65 @@ class DataflowRunError(DataflowError):
     """A node's handler failed while the graph ran (names the node and instance)."""
 
 
+def _check_resources(kind: str, resources: dict[str, float] | None) -> dict[str, float]:
+    res = dict(resources or {})
+    for key, value in res.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or math.isnan(value):
+            raise DataflowError(f"{kind}: resource {key}={value!r} must be a number >= 0")
+    gpu = float(res.get("GPU", 0))
+    if gpu > 1 and gpu != int(gpu):
+        raise DataflowError(f"{kind}: GPU={gpu} per instance: above 1 it must be a whole number")
+    return {k: float(v) for k, v in res.items() if float(v) > 0}
+
+
+class WorkerGroup:
+    """W processes (ranks) that host one or more split/spmd nodes.
+
+    With ``dist=True`` the ranks form one torch.distributed process group
+    (``backend`` "auto": NCCL where CUDA is visible, gloo otherwise) whose
+    rendezvous is rank 0's address; collectives time out after ``timeout_s``, so
+    a dead rank ends a step instead of hanging it. ``ranks_per_node`` packs the
+    ranks onto Ray nodes in order (verl's ``n_gpus_per_node``); None: first fit.
+    """
+
+    def __init__(self, name: str, world_size: int, resources: dict[str, float] | None = None, *,
+                 ranks_per_node: int | None = None, dist: bool = True, backend: str = "auto",
+                 timeout_s: float = 600.0) -> None:
+        self.name = _check_name("worker group", name)
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise DataflowError(f"worker group '{name}': world_size={world_size!r} must be an int >= 1")
+        if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
+            raise DataflowError(f"worker group '{name}': ranks_per_node={ranks_per_node!r} must be an int >= 1")
+        if backend not in BACKENDS:
+            raise DataflowError(f"worker group '{name}': backend={backend!r}{did_you_mean(str(backend), BACKENDS)}; "
+                                f"use one of {', '.join(BACKENDS)}")
+        if not timeout_s or timeout_s <= 0:
+            raise DataflowError(f"worker group '{name}': timeout_s={timeout_s!r} must be > 0")
+        self.world_size = world_size
+        self.resources = _check_resources(f"worker group '{name}'", resources)
+        self.ranks_per_node = ranks_per_node
+        self.dist = bool(dist)
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+
+    @property
+    def gpus(self) -> float:
+        return self.resources.get("GPU", 0.0)
+
+    def __repr__(self) -> str:
+        return (f"WorkerGroup({self.name!r}, world_size={self.world_size}, resources={self.resources}, "
+                f"dist={self.dist})")
+
+
 class Node:
     """One stage of the dataflow: ``parallelism`` instances of a function or a class."""
 
     def __init__(self, name: str, target: Union[Callable[..., Any], type, None] = None, resources: dict[str, float] | None = None,
-                 parallelism: int = 1, *, init_args: Iterable[Any] = (), init_kwargs: dict[str, Any] | None = None,
+                 parallelism: int | None = None, *, init_args: Iterable[Any] = (), init_kwargs: dict[str, Any] | None = None,
                  method: str = "process", control_method: str = "on_control", ulysses: bool | None = None,
-                 min_parallelism: int = 1, max_parallelism: int | None = None, func: Any = None) -> None:
+                 min_parallelism: int = 1, max_parallelism: int | None = None, func: Any = None,
+                 group: WorkerGroup | None = None, dispatch: str | None = None, split_key: str | None = None,
+                 collect: Callable[[list[Any]], Any] | None = None) -> None:
         self.name = _check_name("node", name)
         if target is None and func is not None:
             target = func
@@ -50,19 +118,43 @@ class Node:
             raise DataflowError(f"node '{name}': target {target!r} is neither a function nor a class")
         self.target = target
         self.is_class = inspect.isclass(target)
-        res = dict(resources or {})
-        for key, value in res.items():
-            if not isinstance(value, (int, float)) or value < 0 or math.isnan(value):
-                raise DataflowError(f"node '{name}': resource {key}={value!r} must be a number >= 0")
-        gpu = float(res.get("GPU", 0))
-        if gpu > 1 and gpu != int(gpu):
-            raise DataflowError(f"node '{name}': GPU={gpu} per instance: above 1 it must be a whole number")
-        self.resources = {k: float(v) for k, v in res.items() if float(v) > 0}
-        if not isinstance(parallelism, int) or parallelism < 1:
+        if dispatch is None:
+            dispatch = ("spmd" if group.dist else "split") if group is not None else "route"
+        if dispatch not in DISPATCHES:
+            raise DataflowError(f"node '{name}': dispatch={dispatch!r}{did_you_mean(str(dispatch), DISPATCHES)}; "
+                                f"use one of {', '.join(DISPATCHES)}")
+        self.dispatch = dispatch
+        res = _check_resources(f"node '{name}'", resources)
+        if dispatch == "route":
+            if group is not None:
+                raise DataflowError(f"node '{name}': a node in worker group '{group.name}' is dispatched 'split' "
+                                    f"or 'spmd', not 'route'")
+        else:
+            if group is None:  # a group of its own: its parallelism and resources
+                group = WorkerGroup(name, parallelism or 1, res, dist=dispatch == "spmd")
+            elif parallelism not in (None, group.world_size) or (res and res != group.resources):
+                raise DataflowError(f"node '{name}': parallelism and resources come from its worker group "
+                                    f"'{group.name}' (world_size={group.world_size}, {group.resources}); "
+                                    f"leave them unset")
+            if dispatch == "spmd" and not group.dist:
+                raise DataflowError(f"node '{name}': dispatch='spmd' needs a worker group with dist=True "
+                                    f"('{group.name}' has dist=False)")
+            parallelism, res = group.world_size, dict(group.resources)
+        if split_key is not None and dispatch != "split":
+            raise DataflowError(f"node '{name}': split_key is for dispatch='split' nodes")
+        if collect is not None and not callable(collect):
+            raise DataflowError(f"node '{name}': collect={collect!r} must be a function of the list of shards")
+        self.group = group
+        self.split_key = split_key
+        self.collect = collect
+        self.resources = res
+        if parallelism is None:
+            parallelism = 1
+        if not isinstance(parallelism, int) or isinstance(parallelism, bool) or parallelism < 1:
             raise DataflowError(f"node '{name}': parallelism={parallelism!r} must be an int >= 1")
-        if min_parallelism < 1 or min_parallelism > parallelism:
+        if min_parallelism < 1 or (dispatch == "route" and min_parallelism > parallelism):
             raise DataflowError(f"node '{name}': min_parallelism={min_parallelism} must be in 1..parallelism")
-        if max_parallelism is not None and max_parallelism < parallelism:
+        if max_parallelism is not None and max_parallelism < max(parallelism, min_parallelism):
             raise DataflowError(f"node '{name}': max_parallelism={max_parallelism} is below parallelism={parallelism}")
         self.parallelism = parallelism
         self.min_parallelism = min_parallelism
@@ -85,7 +177,8 @@ class Node:
 
     def __repr__(self) -> str:
         kind = self.target.__name__ if hasattr(self.target, "__name__") else repr(self.target)
-        return f"Node({self.name!r}, {kind}, resources={self.resources}, parallelism={self.parallelism})"
+        extra = f", group={self.group.name!r}, dispatch={self.dispatch!r}" if self.group is not None else ""
+        return f"Node({self.name!r}, {kind}, resources={self.resources}, parallelism={self.parallelism}{extra})"
 
 
 @dataclass(eq=False)
@@ -173,6 +266,18 @@ class DataflowGraph:
         return item
 
     # ---- queries -------------------------------------------------------------------
+    def groups(self) -> dict[str, WorkerGroup]:
+        """The worker groups of the split/spmd nodes, by name (first declared first)."""
+        out: dict[str, WorkerGroup] = {}
+        for node in self.nodes.values():
+            if node.group is not None:
+                out.setdefault(node.group.name, node.group)
+        return out
+
+    def group_nodes(self, group: str) -> list[str]:
+        """The nodes a worker group hosts, in topological order."""
+        return [n for n in self.topo_order() if self.nodes[n].group is not None and self.nodes[n].group.name == group]
+
     def data_edges(self) -> list[Edge]:
         return [e for e in self.edges if not e.control]
 
@@ -262,6 +367,12 @@ class DataflowGraph:
                 raise DataflowError(f"graph '{self.name}': edge {e.key} is declared twice (a data and a control "
                                     f"edge between the same nodes in the same direction count as twice)")
             seen.add(e.key)
+        groups: dict[str, WorkerGroup] = {}
+        for node in self.nodes.values():
+            g = node.group
+            if g is not None and groups.setdefault(g.name, g) is not g:
+                raise DataflowError(f"graph '{self.name}': two different worker groups are named '{g.name}'; "
+                                    f"pass the same WorkerGroup object to every node it hosts")
         order = self.topo_order()
         if len(order) != len(self.nodes):
             cycle = self._find_cycle(set(self.nodes) - set(order))

@@ -2,97 +2,138 @@
 adaptive backpressure controller and the status snapshot (``get_status``) that
 the monitor thread publishes for the dashboard.
 
-A mixin of ``HybridScheduler``: it uses the scheduler's tables and locks.
+It only reads the pool's, router's and board's tables (under their lock) and
+asks the scheduler to act (``adjust_parallelism``) when a queue stays long.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpc_verl.dataflow.scheduler import HybridScheduler
 
 log = logging.getLogger("hpc_verl.dataflow")
 
 
-class MonitorMixin:
-    """Monitoring half of HybridScheduler (see scheduler.py for the state it reads)."""
+class Monitor:
+    def __init__(self, sched: "HybridScheduler", backpressure: bool, backpressure_window_s: float,
+                 monitor_interval_s: float, stats_interval_s: float, status_file: str | None) -> None:
+        self.sched = sched
+        self.graph = sched.graph
+        self.pool = sched.pool
+        self.router = sched.router
+        self.board = sched.board
+        self.lock = sched.lock
+        self.edge_stats = sched.edge_stats
+        self.backpressure = backpressure
+        self.backpressure_window_s = backpressure_window_s
+        self.monitor_interval_s = monitor_interval_s
+        self.stats_interval_s = stats_interval_s
+        self.status_file = status_file
+        self.node_rate: dict[str, dict[str, float]] = {n: {"t": 0.0, "done": 0, "rate": 0.0}
+                                                       for n in self.graph.nodes}
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self._last_stats = 0.0
 
-    # ---- monitoring ----------------------------------------------------------------
-    def _monitor_loop(self) -> None:
+    # ---- the thread ----------------------------------------------------------------
+    def start(self) -> None:
+        self.stop.clear()
+        self.thread = threading.Thread(target=self._loop, name=f"dataflow-{self.graph.name}", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.stop.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout=10)
+
+    def _loop(self) -> None:
         warned = False
-        while not self._stop.wait(self.monitor_interval_s):
+        while not self.stop.wait(self.monitor_interval_s):
             try:
-                self._tick()
+                self.tick()
             except Exception as exc:  # noqa: BLE001 - monitoring must never kill the run
-                if not warned and not self._stop.is_set():
+                if not warned and not self.stop.is_set():
                     log.warning("dataflow monitor: %s", exc)
                     warned = True
 
-    def _measure_queues(self) -> None:
+    def tick(self) -> None:
+        self.measure_queues()
+        now = time.monotonic()
+        if now - self._last_stats >= self.stats_interval_s:
+            self._last_stats = now
+            self.poll_stats()
+            self.publish()
+        if self.backpressure:
+            self._backpressure(now)
+
+    # ---- measuring -----------------------------------------------------------------
+    def measure_queues(self) -> None:
         import ray
 
-        with self._lock:
-            tracks = list(self._live.values())
-        refs = [r for t in tracks for r in t.refs.values()]
+        with self.lock:
+            tracks = list(self.router.live.values())
+        refs = [r for t in tracks for rs in t.refs.values() for r in rs]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) if refs else set()
         for e in self.graph.data_edges():
             per_inst: dict[str, list[int]] = {}
             for t in tracks:
-                src_ref, dst_ref = t.refs.get(e.src_name), t.refs.get(e.dst_name)
-                if src_ref in ready and dst_ref not in ready:
-                    per_inst.setdefault(t.insts[e.dst_name].iid, []).append(t.size)
+                src_refs, dst_refs = t.refs.get(e.src_name), t.refs.get(e.dst_name)
+                if not src_refs or not dst_refs:
+                    continue
+                if all(r in ready for r in src_refs) and not all(r in ready for r in dst_refs):
+                    per_inst.setdefault(t.insts[e.dst_name][0].iid, []).append(t.size)
             # items delivered to an instance and not done, less the micro-batch it is working on
             q = sum(sum(sizes) - sizes[0] for sizes in per_inst.values())
-            st = self._edge[e.key]
+            st = self.edge_stats[e.key]
             st["queue"] = q
             st["peak"] = max(st["peak"], q)
 
-    def _poll_stats(self) -> None:
+    def poll_stats(self) -> None:
         import ray
 
-        insts = [i for insts in self._instances.values() for i in insts]
-        if not insts:
+        procs = list(self.pool.procs.values())
+        if not procs:
             return
-        refs = [i.handle.stats.remote() for i in insts]
+        refs = [p.handle.stats.remote() for p in procs]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
         ready_set = set(ready)
-        for inst, ref in zip(insts, refs):
-            if ref in ready_set:
-                try:
-                    stats = ray.get(ref)
-                except Exception:  # noqa: BLE001 - a dying instance
-                    continue
+        for proc, ref in zip(procs, refs):
+            if ref not in ready_set:
+                continue
+            try:
+                stats = ray.get(ref)
+            except Exception:  # noqa: BLE001 - a dying instance
+                continue
+            for inst in [i for n in proc.nodes for i in self.pool.instances[n] if i.proc is proc]:
+                new_stats = dict(stats["nodes"].get(inst.node, {}))
+                new_stats["gpu_memory"] = stats.get("gpu_memory", {})
                 old = sum(inst.stats.get("stale_rejected", {}).values())
-                new = sum(stats.get("stale_rejected", {}).values())
-                for edge, version, held in stats.get("rejections", [])[-(new - old):] if new > old else ():
-                    self._decide(f"Consistency: {inst.iid} rejected stale control v{version} on {edge} "
-                                 f"(holds v{held})")
-                inst.stats = stats
+                new = sum(new_stats.get("stale_rejected", {}).values())
+                for edge, version, held in new_stats.get("rejections", [])[-(new - old):] if new > old else ():
+                    self.sched._decide(f"Consistency: {inst.iid} rejected stale control v{version} on {edge} "
+                                       f"(holds v{held})")
+                inst.stats = new_stats
         now = time.monotonic()
         for node in self.graph.nodes:
-            done = self._retired[node] + sum(int(i.stats.get("processed", 0)) for i in self._instances[node])
-            r = self._node_rate[node]
+            done = self.pool.retired[node]["processed"] + sum(int(i.stats.get("processed", 0))
+                                                              for i in self.pool.instances[node])
+            r = self.node_rate[node]
             if r["t"]:
                 dt = now - r["t"]
                 if dt > 0:
                     r["rate"] = (done - r["done"]) / dt
             r["t"], r["done"] = now, done
 
-    def _tick(self) -> None:
-        self._measure_queues()
-        now = time.monotonic()
-        if now - self._last_stats >= self.stats_interval_s:
-            self._last_stats = now
-            self._poll_stats()
-            self._publish_status()
-        if self.backpressure:
-            self._backpressure(now)
-
     def _backpressure(self, now: float) -> None:
         """An edge whose queue, sampled over the last window, has a median at or over
-        its threshold is a sustained bottleneck (a single sample is noise)."""
+        its threshold is a sustained bottleneck (a single sample is noise). Worker
+        groups are never resized by it (a resize moves their state: ask for it)."""
         for e in self.graph.data_edges():
-            st = self._edge[e.key]
+            st = self.edge_stats[e.key]
             samples = st.setdefault("samples", [])
             samples.append((now, st["queue"]))
             while samples and now - samples[0][0] > self.backpressure_window_s:
@@ -107,51 +148,55 @@ class MonitorMixin:
             dst, src = self.graph.nodes[e.dst_name], self.graph.nodes[e.src_name]
             reason = (f"backpressure: queue on {e.key} at median {median} >= threshold {e.threshold} "
                       f"over {self.backpressure_window_s:g}s")
-            p_dst = len(self._routable[dst.name])
-            if dst.max_parallelism is None or p_dst < dst.max_parallelism:
-                if self.adjust_parallelism(dst.name, p_dst + 1, reason) > p_dst:
+            p_dst = len(self.pool.routable[dst.name])
+            if dst.group is None and (dst.max_parallelism is None or p_dst < dst.max_parallelism):
+                if self.sched.adjust_parallelism(dst.name, p_dst + 1, reason) > p_dst:
                     continue
-            p_src = len(self._routable[src.name])
-            if p_src > src.min_parallelism:
-                threading.Thread(target=self.adjust_parallelism, args=(src.name, p_src - 1, reason),
+            p_src = len(self.pool.routable[src.name])
+            if src.group is None and p_src > src.min_parallelism:
+                threading.Thread(target=self.sched.adjust_parallelism, args=(src.name, p_src - 1, reason),
                                  daemon=True).start()
             else:
-                self._decide(f"Scheduling decision: {reason}, but {dst.name} is at its maximum and "
-                             f"{src.name} at its minimum; the bounded channel holds the producer back")
+                self.sched._decide(f"Scheduling decision: {reason}, but {dst.name} cannot grow and "
+                                   f"{src.name} cannot shrink; the bounded channel holds the producer back")
 
     # ---- status --------------------------------------------------------------------
-    def get_status(self) -> dict[str, Any]:
-        """Per node workers/GPUs/queue/throughput, per edge latency/queue, GPUs, decisions. JSON-ready."""
-        if self._started:
-            self._measure_queues()
-            self._poll_stats()
-        return self._snapshot()
-
-    def _snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         nodes: dict[str, Any] = {}
-        with self._lock:
+        with self.lock:
             for name, node in self.graph.nodes.items():
                 workers = []
-                for inst in sorted(self._instances[name], key=lambda i: i.index):
-                    workers.append({"id": inst.iid, "ray_node_id": inst.ray_node_id,
-                                    "ray_node": inst.plan.ray_node_name,
+                for inst in sorted(self.pool.instances[name], key=lambda i: i.index):
+                    workers.append({"id": inst.iid, "rank": inst.index if node.group is not None else None,
+                                    "process": inst.proc.key, "pid": inst.info.get("pid"),
+                                    "ray_node_id": inst.ray_node_id, "ray_node": inst.plan.ray_node_name,
+                                    "hostname": inst.info.get("hostname"),
                                     "gpu_ids": list(inst.info.get("gpu_ids", [])),
                                     "cuda_visible_devices": inst.info.get("cuda_visible_devices"),
                                     "planned_gpu_slots": list(inst.plan.gpu_slots),
                                     "stage": inst.plan.stage, "bundle": inst.plan.bundle,
                                     "draining": inst.draining, "outstanding": inst.outstanding,
                                     "processed": int(inst.stats.get("processed", 0)),
+                                    "rows": int(inst.stats.get("rows", 0)),
                                     "versions": inst.stats.get("versions", {})})
-                nodes[name] = {"parallelism": len(self._routable[name]), "workers": workers,
+                group = node.group
+                nodes[name] = {"parallelism": len(self.pool.routable[name]), "workers": workers,
+                               "world_size": self.pool.world.get(group.name, group.world_size) if group else 1,
+                               "group": group.name if group else None, "dispatch": node.dispatch,
+                               "dist_backend": (self.pool.instances[name][0].info.get("dist_backend")
+                                                if self.pool.instances[name] else None),
                                "resources": dict(node.resources),
-                               "queue_length": sum(self._edge[e.key]["queue"] for e in self._in_data[name]),
-                               "items_per_s": round(self._node_rate[name]["rate"], 3),
-                               "processed": self._retired[name] + sum(w["processed"] for w in workers),
-                               "ulysses": self._ulysses[name] if node.ulysses is not None else None}
+                               "queue_length": sum(self.edge_stats[e.key]["queue"]
+                                                   for e in self.graph.in_edges(name)),
+                               "items_per_s": round(self.node_rate[name]["rate"], 3),
+                               "processed": self.pool.retired[name]["processed"] + sum(w["processed"]
+                                                                                       for w in workers),
+                               "rows": self.pool.retired[name]["rows"] + sum(w["rows"] for w in workers),
+                               "ulysses": self.sched._ulysses[name] if node.ulysses is not None else None}
             edges: dict[str, Any] = {}
             for e in self.graph.edges:
-                st = self._edge[e.key]
-                lat = [(i.stats.get("latency", {}).get(e.key)) for i in self._instances[e.dst_name]]
+                st = self.edge_stats[e.key]
+                lat = [(i.stats.get("latency", {}).get(e.key)) for i in self.pool.instances[e.dst_name]]
                 lat = [x for x in lat if x]
                 n = sum(x["n"] for x in lat)
                 entry = {"src": e.src_name, "dst": e.dst_name, "data_type": e.data_type, "control": e.control,
@@ -161,24 +206,25 @@ class MonitorMixin:
                          "latency_ms_mean": round(sum(x["mean_ms"] * x["n"] for x in lat) / n, 3) if n else None,
                          "latency_ms_p95": round(max(x["p95_ms"] for x in lat), 3) if n else None}
                 if e.control:
-                    board = self._board.get(e.key)
-                    entry["version"] = board[1] if board else None
+                    entry["version"] = self.board.version(e.key)
                     entry["stale_rejected"] = sum(int(i.stats.get("stale_rejected", {}).get(e.key, 0))
-                                                  for i in self._instances[e.dst_name])
+                                                  for i in self.pool.instances[e.dst_name])
+                    if e.key in self.board.transfers:
+                        entry["transfer"] = dict(self.board.transfers[e.key])
                 edges[e.key] = entry
-            decisions = list(self.decisions)
-            items_in, items_out = self._items_in, self._items_out
-        return {"graph": self.graph.name, "time": time.time(), "started": self._started, "nodes": nodes,
+            decisions = list(self.sched.decisions)
+            items_in, items_out = self.router.items_in, self.router.items_out
+        return {"graph": self.graph.name, "time": time.time(), "started": self.sched._started, "nodes": nodes,
                 "edges": edges, "gpus": self._gpu_table(nodes), "decisions": decisions,
-                "items_in": items_in, "items_out": items_out, "window": self.window}
+                "items_in": items_in, "items_out": items_out, "window": self.router.window}
 
     def _gpu_table(self, nodes: dict[str, Any]) -> dict[str, Any]:
         table: dict[str, Any] = {}
-        for cn in self._total:
+        for cn in self.sched._total:
             for g in range(int(cn.gpus)):
                 table[f"{cn.name}:{g}"] = {"ray_node_id": cn.node_id, "gpu": str(g), "memory": "n/a", "users": []}
         for name in nodes:
-            for inst in self._instances[name]:
+            for inst in self.pool.instances[name]:
                 mem = inst.stats.get("gpu_memory") or {}
                 for local, gid in enumerate(inst.info.get("gpu_ids", [])):
                     key = f"{inst.plan.ray_node_name}:{gid}"
@@ -189,10 +235,11 @@ class MonitorMixin:
                         row["memory"] = mem[str(local)]
         return table
 
-    def _publish_status(self) -> None:
-        snap = self._snapshot()
-        if self._hub is not None:
-            self._hub.set.remote(snap)
+    def publish(self) -> None:
+        snap = self.snapshot()
+        hub = self.sched._hub
+        if hub is not None:
+            hub.set.remote(snap)
         if self.status_file:
             from hpc_verl.util.fs import atomic_write_json
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_verl.dataflow.plan import ClusterNode
+from hpc_verl.dataflow.placement import ClusterNode
 
 NAMESPACE = "hpc_verl"
 HUB_PREFIX = "hpc_verl.dataflow/"

@@ -1,113 +1,69 @@
 """HybridScheduler: plans a DataflowGraph, materialises it on Ray and runs it.
 
-Data path: the driver chains actor calls by ObjectRef (like hand-written Ray
-code), so items move worker-to-worker through the object store and the driver
-only waits on the sink results; at most ``window`` items (the smallest edge
-capacity) are in flight, which bounds every channel and the memory it holds.
-A monitor thread in the driver measures queues (from which refs are ready),
-polls the workers' stats, runs the backpressure controller and publishes a
-status snapshot to a named Ray actor (and optionally a JSON file) that the
-dashboard reads from outside the driver.
+The seed's API lives here; the work is done by four parts with one job each:
+``pool.InstancePool`` (actors and placement groups: spawn, resize, drain, kill),
+``board.ControlBoard`` (control versions and how they are delivered),
+``router.Router`` (items through the graph, method calls, error lines) and
+``monitor.Monitor`` (queues, stats, backpressure, the status snapshot the
+dashboard reads).
 """
 from __future__ import annotations
 
-import itertools
 import logging
+import shutil
+import tempfile
 import threading
-import time
 import uuid
 import warnings
 from typing import Any, Sequence
 
-from hpc_verl.dataflow.graph import DataflowGraph, DataflowRunError, Edge
-from hpc_verl.dataflow.monitor import MonitorMixin
-from hpc_verl.dataflow.plan import ClusterNode, InstancePlan, PlacementPlan, make_plan, place_extra
+from hpc_verl.dataflow.board import ControlBoard
+from hpc_verl.dataflow.distgroup import DEFAULT_BUCKET_BYTES
+from hpc_verl.dataflow.graph import DataflowGraph, Edge
+from hpc_verl.dataflow.monitor import Monitor
+from hpc_verl.dataflow.placement import ClusterNode, PlacementPlan, make_plan, place_group
+from hpc_verl.dataflow.pool import Instance, InstancePool
+from hpc_verl.dataflow.router import Router
 from hpc_verl.errors import DataflowError
 from hpc_verl.util.suggest import did_you_mean
 
 log = logging.getLogger("hpc_verl.dataflow")
 
 
-class _Instance:
-    __slots__ = ("iid", "node", "index", "handle", "pg", "plan", "info", "draining", "outstanding", "stats")
-
-    def __init__(self, iid: str, node: str, index: int, handle: Any, pg: Any, plan: InstancePlan) -> None:
-        self.iid, self.node, self.index, self.handle, self.pg, self.plan = iid, node, index, handle, pg, plan
-        self.info: dict[str, Any] = {}
-        self.draining = False
-        self.outstanding = 0
-        self.stats: dict[str, Any] = {}
-
-    @property
-    def ray_node_id(self) -> str:
-        return self.info.get("ray_node_id") or self.plan.ray_node_id
-
-
-class _Track:
-    """One in-flight item: the ref and instance of every node it passes."""
-
-    __slots__ = ("key", "size", "refs", "insts", "waiting")
-
-    def __init__(self, key: int, size: int) -> None:
-        self.key, self.size = key, size
-        self.refs: dict[str, Any] = {}
-        self.insts: dict[str, _Instance] = {}
-        self.waiting = 0
-
-
-class HybridScheduler(MonitorMixin):
-    """Places a graph with co-location and staged strategies, runs it with bounded
-    channels, adaptive backpressure and strongly consistent control edges."""
+class HybridScheduler:
+    """Places a graph with worker-group, co-location and staged strategies, runs it with
+    bounded channels, adaptive backpressure and strongly consistent control edges."""
 
     def __init__(self, graph: DataflowGraph, *, cluster: list[ClusterNode] | None = None,
                  backpressure: bool = True, backpressure_window_s: float = 1.0,
                  monitor_interval_s: float = 0.2, stats_interval_s: float = 0.5,
-                 status_file: str | None = None, start_timeout_s: float = 120.0) -> None:
+                 status_file: str | None = None, start_timeout_s: float = 120.0,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, scratch_dir: str | None = None) -> None:
         graph.validate()
         self.graph = graph
         self.decisions: list[str] = []
+        self.lock = threading.RLock()
         self._cluster = cluster
-        self.backpressure = backpressure
-        self.backpressure_window_s = backpressure_window_s
-        self.monitor_interval_s = monitor_interval_s
-        self.stats_interval_s = stats_interval_s
-        self.status_file = status_file
-        self.start_timeout_s = start_timeout_s
-        self._lock = threading.RLock()
         self._scale_lock = threading.RLock()
-        self._instances: dict[str, list[_Instance]] = {n: [] for n in graph.nodes}
-        self._routable: dict[str, list[_Instance]] = {n: [] for n in graph.nodes}
-        self._next_index = {n: 0 for n in graph.nodes}
-        self._board: dict[str, tuple[str, int, list]] = {}  # control edge key -> (src, version, [ref])
-        self._live: dict[int, _Track] = {}
-        self._item_ids = itertools.count()
-        self._order = graph.topo_order()
-        self._flow = graph.flow_nodes()
-        self._in_data = {n: graph.in_edges(n) for n in graph.nodes}
-        self._strong_in = {n: [e.key for e in graph.in_edges(n, control=True) if e.consistency == "strong"]
-                           for n in graph.nodes}
-        self._coloc_in = {n: [e.src_name for e in self._in_data[n] if e.colocated] for n in graph.nodes}
-        self._emitters = [n for n in graph.nodes if graph.out_edges(n, control=True)]
-        self._edge: dict[str, dict[str, Any]] = {
-            e.key: {"queue": 0, "peak": 0, "items": 0, "last_action": 0.0, "cross_node": 0, "samples": []}
-            for e in graph.edges}
-        self._node_rate: dict[str, dict[str, float]] = {n: {"t": 0.0, "done": 0, "rate": 0.0} for n in graph.nodes}
-        self._retired: dict[str, int] = {n: 0 for n in graph.nodes}  # items processed by removed instances
-        self._ulysses = {n: bool(node.ulysses) for n, node in graph.nodes.items()}
-        self._items_in = 0
-        self._items_out = 0
+        self._tag = uuid.uuid4().hex[:6]
         self._plan: PlacementPlan | None = None
         self._total: list[ClusterNode] = []
         self._hub: Any = None
-        self._pgs: list[Any] = []
-        self._monitor: threading.Thread | None = None
-        self._stop = threading.Event()
         self._started = False
-        self._last_stats = 0.0
-        self._tag = uuid.uuid4().hex[:6]
-        self._wait_div = 4
-        self._bundle_counter = itertools.count()
-        self.window = min((e.capacity for e in graph.data_edges()), default=256)
+        self._ulysses = {n: bool(node.ulysses) for n, node in graph.nodes.items()}
+        self.scratch_dir = scratch_dir
+        self.edge_stats: dict[str, dict[str, Any]] = {
+            e.key: {"queue": 0, "peak": 0, "items": 0, "last_action": 0.0, "cross_node": 0, "samples": []}
+            for e in graph.edges}
+        self.pool = InstancePool(graph, self._tag, start_timeout_s, self.lock, self._decide)
+        self.board = ControlBoard(graph, self.pool, self.lock, self._decide, bucket_bytes)
+        self.router = Router(graph, self.pool, self.board, self.lock, self.edge_stats)
+        self.monitor = Monitor(self, backpressure, backpressure_window_s, monitor_interval_s, stats_interval_s,
+                               status_file)
+
+    @property
+    def window(self) -> int:
+        return self.router.window
 
     # ---- planning ------------------------------------------------------------------
     def _clusters(self) -> tuple[list[ClusterNode], list[ClusterNode]]:
@@ -129,13 +85,14 @@ class HybridScheduler(MonitorMixin):
         return self._plan
 
     def _decide(self, line: str) -> None:
-        with self._lock:
+        with self.lock:
             self.decisions.append(line)
         log.info(line)
 
     # ---- materialisation -----------------------------------------------------------
     def start(self) -> "HybridScheduler":
-        """Create placement groups, actors and the status actor; start the monitor."""
+        """Create placement groups, actors (with their process groups) and the status actor;
+        start the monitor."""
         import ray
 
         from hpc_verl.dataflow import raycluster
@@ -149,7 +106,6 @@ class HybridScheduler(MonitorMixin):
         for line in plan.decisions:
             self._decide(line)
         try:
-            hub_cls = raycluster.make_hub_class()
             name = raycluster.hub_name(self.graph.name)
             try:
                 ray.get_actor(name, namespace=raycluster.NAMESPACE)
@@ -158,81 +114,15 @@ class HybridScheduler(MonitorMixin):
             else:
                 raise DataflowError(f"a dataflow graph named '{self.graph.name}' is already running on this Ray "
                                     f"cluster; give this graph another name or shut the other one down")
-            self._hub = hub_cls.options(name=name, namespace=raycluster.NAMESPACE).remote()
-            pgs = {}
-            for b in plan.bundles:
-                pg = raycluster.pinned_placement_group(b.resources, b.ray_node_id,
-                                                       f"{self.graph.name}.{self._tag}.{b.bundle_id}")
-                pgs[b.bundle_id] = pg
-                self._pgs.append(pg)
-            try:
-                ray.get([pg.ready() for pg in pgs.values()], timeout=self.start_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise DataflowError(f"graph '{self.graph.name}': placement groups not ready after "
-                                    f"{self.start_timeout_s:g}s (the cluster's free resources changed?); "
-                                    f"check 'ray status'") from None
-            for node in self._order:
-                for ip in plan.for_node(node):
-                    self._spawn(ip, pgs[ip.bundle])
-                    self._next_index[node] = max(self._next_index[node], ip.index + 1)
-            self._collect_info([i for insts in self._instances.values() for i in insts])
-            for node in self._instances:
-                self._routable[node] = list(self._instances[node])
+            self._hub = raycluster.make_hub_class().options(name=name, namespace=raycluster.NAMESPACE).remote()
+            self.pool.materialise(plan)
             self._started = True
-            self._publish_status()
-            self._monitor = threading.Thread(target=self._monitor_loop, name=f"dataflow-{self.graph.name}",
-                                             daemon=True)
-            self._monitor.start()
+            self.monitor.publish()
+            self.monitor.start()
         except BaseException:
             self.shutdown()
             raise
         return self
-
-    def _spawn(self, ip: InstancePlan, pg: Any) -> _Instance:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from hpc_verl.dataflow.worker import DataflowWorker
-
-        node = self.graph.nodes[ip.node]
-        res = node.resources
-        custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
-        in_ctl = self.graph.in_edges(ip.node, control=True)
-        ins = self._in_data[ip.node]
-        spec = {"node": ip.node, "instance_id": ip.instance_id, "index": ip.index, "target": node.target,
-                "is_class": node.is_class, "init_args": node.init_args, "init_kwargs": node.init_kwargs,
-                "method": node.method, "control_method": node.control_method,
-                "in_control": [e.key for e in in_ctl], "edge_of": {e.key: e.data_type or e.key for e in in_ctl},
-                "out_control": [e.data_type or e.key for e in self.graph.out_edges(ip.node, control=True)],
-                "in_keys": [e.key for e in ins], "in_srcs": [e.src_name for e in ins]}
-        opts: dict[str, Any] = {"num_cpus": res.get("CPU", 0.0), "num_gpus": res.get("GPU", 0.0),
-                                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, 0)}
-        if custom:
-            opts["resources"] = custom
-        handle = DataflowWorker.options(**opts).remote(spec)
-        inst = _Instance(ip.instance_id, ip.node, ip.index, handle, pg, ip)
-        with self._lock:
-            self._instances[ip.node].append(inst)
-        return inst
-
-    def _collect_info(self, insts: list[_Instance]) -> None:
-        import ray
-
-        refs = [i.handle.info.remote() for i in insts]
-        try:
-            infos = ray.get(refs, timeout=self.start_timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError):
-            for inst, ref in zip(insts, refs):
-                try:
-                    ray.get(ref, timeout=self.start_timeout_s)
-                except Exception as exc:  # noqa: BLE001 - reported as one line
-                    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-                    last = lines[-1] if lines else type(exc).__name__
-                    raise DataflowError(f"graph '{self.graph.name}': {inst.iid} failed to start: {last}") from None
-            raise
-        except ray.exceptions.GetTimeoutError:
-            raise DataflowError(f"graph '{self.graph.name}': instances not up after {self.start_timeout_s:g}s") from None
-        for inst, info in zip(insts, infos):
-            inst.info = info
 
     # ---- running -------------------------------------------------------------------
     def _require_started(self) -> None:
@@ -244,354 +134,160 @@ class HybridScheduler(MonitorMixin):
         """Push items through the graph; return ``{sink: [outputs in input order]}``.
 
         ``micro_batch``: items per actor call. ``"auto"`` packs many small items
-        into one call (1 when there are few items, as with whole PPO batches);
-        handlers still see one item at a time."""
-        import ray
-
+        into one call (1 when there are few items, as with whole PPO batches, and
+        whenever a worker group is on the path); handlers still see one item at a time."""
         self._require_started()
-        sources = self.graph.sources()
-        if not isinstance(inputs, dict):
-            if len(sources) != 1:
-                raise DataflowError(f"graph '{self.graph.name}' has {len(sources)} source nodes "
-                                    f"({', '.join(sources)}); pass run({{source: items}})")
-            inputs = {sources[0]: inputs}
-        for name in inputs:
-            if name not in sources:
-                raise DataflowError(f"run(): '{name}' is not a source node of graph '{self.graph.name}'"
-                                    f"{did_you_mean(name, sources)}; sources: {', '.join(sources)}")
-        missing = [s for s in sources if s not in inputs]
-        if missing:
-            raise DataflowError(f"run(): no items given for source node(s) {', '.join(missing)}")
-        items = {k: list(v) for k, v in inputs.items()}
-        counts = {len(v) for v in items.values()}
-        if len(counts) != 1:
-            sizes = {k: len(v) for k, v in items.items()}
-            raise DataflowError(f"run(): sources got different numbers of items ({sizes}); item i of every "
-                                f"source shares one id, so give each the same count")
-        n = counts.pop()
-        mb = self._micro_batch(n, micro_batch)
-        keep = list(self._flow) if not sinks_only else self.graph.sinks()
-        watch = set(self.graph.sinks()) | (set(self._emitters) & set(self._flow))
-        result_refs: dict[str, list[Any]] = {k: [] for k in keep}
-        waiting: dict[Any, _Track] = {}
-        pos = 0
-        active = 0
-        try:
-            while pos < n or active:
-                while pos < n and active < self.window:
-                    size = min(mb, n - pos, max(1, self.window - active))
-                    track = self._submit({s: items[s][pos:pos + size] for s in sources}, size)
-                    for name in keep:
-                        result_refs[name].append(track.refs[name])
-                    for name in watch:
-                        waiting[track.refs[name]] = track
-                        track.waiting += 1
-                    pos += size
-                    active += size
-                refs = list(waiting)
-                ready, _ = ray.wait(refs, num_returns=max(1, len(refs) // self._wait_div), fetch_local=False)
-                for ref in ready:
-                    track = waiting.pop(ref)
-                    track.waiting -= 1
-                    if track.waiting == 0:
-                        active -= track.size
-                        self._complete(track)
-            envs = ray.get([r for name in keep for r in result_refs[name]])
-        except Exception as exc:  # noqa: BLE001 - turned into one clear error
-            raise self._run_error(exc) from None
-        finally:
-            self._abandon({id(t): t for t in waiting.values()}.values())
-        out: dict[str, list[Any]] = {}
-        it = iter(envs)
-        for name in keep:
-            vals: list[Any] = []
-            for _ in result_refs[name]:
-                vals.extend(next(it)[1])
-            out[name] = vals
-        with self._lock:
-            self._items_out += n
-        return out
+        return self.router.run(inputs, sinks_only, micro_batch)
 
-    def _abandon(self, tracks: Any) -> None:
-        """Forget items a failed run left in flight (their instances may be drained)."""
-        with self._lock:
-            for track in tracks:
-                if self._live.pop(track.key, None) is not None:
-                    for inst in track.insts.values():
-                        inst.outstanding -= track.size
-
-    def _micro_batch(self, n: int, micro_batch: int | str) -> int:
-        if micro_batch == "auto":
-            slots = sum(max(1, len(self._routable[node])) for node in self._flow)
-            return max(1, min(32, n // (8 * slots), self.window // (2 * slots)))
-        if not isinstance(micro_batch, int) or micro_batch < 1:
-            raise DataflowError(f"run(): micro_batch={micro_batch!r} must be an int >= 1 or 'auto'")
-        return min(micro_batch, self.window)
-
-    def _submit(self, values: dict[str, list], size: int) -> _Track:
-        key = next(self._item_ids)
-        track = _Track(key, size)
-        with self._lock:
-            self._items_in += size
-            for node in self._flow:
-                ins = self._in_data[node]
-                inst = self._choose(node, track)
-                strong = self._strong_in[node]
-                args = [track.refs[e.src_name] for e in ins] if ins else [values[node]]
-                required = {k: self._board[k] for k in strong if k in self._board} if strong else None
-                if required:
-                    ref = inst.handle.run_required.remote(required, *args)
-                else:
-                    ref = inst.handle.run.remote(*args)
-                inst.outstanding += size
-                track.refs[node] = ref
-                track.insts[node] = inst
-            self._live[key] = track
-        return track
-
-    def _choose(self, node: str, track: _Track) -> _Instance:
-        cands = self._routable[node]
-        if not cands:
-            raise DataflowError(f"node '{node}' has no live instance to take items; raise its parallelism")
-        partners = self._coloc_in[node]
-        if partners and len(cands) > 1:
-            up = track.insts[partners[0]]
-            same = [c for c in cands if c.plan.bundle == up.plan.bundle]
-            if not same:
-                same = [c for c in cands if c.ray_node_id == up.ray_node_id]
-            if same:
-                cands = same
-            else:
-                self._edge[f"{partners[0]}->{node}"]["cross_node"] += track.size
-        if len(cands) == 1:
-            return cands[0]
-        return min(cands, key=lambda c: c.outstanding)
-
-    def _complete(self, track: _Track) -> None:
-        import ray
-
-        with self._lock:
-            if self._live.pop(track.key, None) is None:
-                return
-            for inst in track.insts.values():
-                inst.outstanding -= track.size
-            for e in self.graph.data_edges():
-                self._edge[e.key]["items"] += track.size
-        for node in self._emitters:
-            if node not in track.refs:
-                continue
-            try:
-                env = ray.get(track.refs[node])
-            except Exception as exc:  # noqa: BLE001
-                raise self._run_error(exc) from None
-            for data_type, version, payload in env[2] or ():
-                edge = next(e for e in self.graph.out_edges(node, control=True)
-                            if (e.data_type or e.key) == data_type)
-                self._publish(edge, payload, version, src=node, strict=False)
-
-    def _run_error(self, exc: BaseException) -> DataflowError:
-        import ray
-
-        cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None else exc
-        if isinstance(cause, DataflowError):
-            return cause
-        where = ""
-        text = str(exc)
-        for insts in self._instances.values():
-            for inst in insts:
-                aid = inst.handle._actor_id.hex()
-                if aid in text:
-                    where = f" in {inst.iid}"
-        first = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
-        return DataflowRunError(f"graph '{self.graph.name}': a node failed{where}: {type(cause).__name__}: {first}")
-
-    # ---- control edges -------------------------------------------------------------
     def send_control(self, edge: Edge | str, payload: Any, version: int, *, _delay_s: float = 0.0) -> None:
-        """Publish ``payload`` as ``version`` on a control edge, from the driver.
+        """Publish ``payload`` as ``version`` on a control edge, from the driver (``TENSORS``:
+        move the source node's tensors by the edge's tensor transport).
         ``_delay_s`` delays delivery of the broadcast (tests of stale rejection)."""
         self._require_started()
         e = self.graph.edge(edge)
         if not e.control:
             raise DataflowError(f"edge {e.key} is a data edge; send_control needs a control edge")
-        self._publish(e, payload, version, src="driver", delay_s=_delay_s)
+        self.board.publish(e, payload, version, src="driver", delay_s=_delay_s)
 
-    def _publish(self, e: Edge, payload: Any, version: int, src: str, delay_s: float = 0.0,
-                 strict: bool = True) -> None:
-        import ray
-
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise DataflowError(f"control edge {e.key}: version {version!r} must be an int")
-        with self._lock:
-            prev = self._board.get(e.key)
-            if prev is not None and version <= prev[1] and not strict:
-                self._decide(f"Scheduling decision: dropped stale control v{version} from {src} on {e.key} "
-                             f"(v{prev[1]} already published)")
-                return
-            if prev is not None and version <= prev[1]:
-                raise DataflowError(f"control edge {e.key}: version {version} is not newer than the published "
-                                    f"{prev[1]}; versions must grow")
-            ref = ray.put(payload)
-            self._board[e.key] = (src, version, [ref])
-            targets = [i for i in self._instances[e.dst_name] if not i.draining]
-        for inst in targets:
-            inst.handle.apply_control.remote(e.key, src, version, [ref], delay_s)
-
-    # ---- runtime control -----------------------------------------------------------
     def call_all(self, node_name: str, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call ``method`` on every live instance of a class node; results in instance order."""
+        """Call ``method`` on every live instance of a class node (all ranks of a worker group
+        together); results in instance order."""
         self._require_started()
         self._node(node_name)
-        insts = sorted(self._routable[node_name], key=lambda i: i.index)
-        with self._lock:
-            required = {k: self._board[k] for k in self._strong_in[node_name] if k in self._board} or None
-        return self._gather_calls(node_name, [i.handle.call.remote(method, args, kwargs, required) for i in insts])
-
-    def _gather_calls(self, node_name: str, refs: list) -> list[Any]:
-        """Results of instance calls; control messages they emitted are published."""
-        import ray
-
-        try:
-            pairs = ray.get(refs)
-        except Exception as exc:  # noqa: BLE001
-            raise self._run_error(exc) from None
-        for _, emitted in pairs:
-            for data_type, version, payload in emitted or ():
-                edge = next(e for e in self.graph.out_edges(node_name, control=True)
-                            if (e.data_type or e.key) == data_type)
-                self._publish(edge, payload, version, src=node_name, strict=False)
-        return [result for result, _ in pairs]
+        return self.router.call(node_name, method, [tuple(args)], kwargs)
 
     def call_each(self, node_name: str, method: str, args_per_instance: Sequence[tuple]) -> list[Any]:
         """Call ``method(*args_per_instance[i])`` on instance i (e.g. one data shard each)."""
         self._require_started()
         self._node(node_name)
-        insts = sorted(self._routable[node_name], key=lambda i: i.index)
-        if len(args_per_instance) != len(insts):
+        n = len(self.pool.routable[node_name])
+        if len(args_per_instance) != n:
             raise DataflowError(f"call_each('{node_name}', '{method}'): {len(args_per_instance)} argument tuples "
-                                f"for {len(insts)} instances; give one per instance")
-        with self._lock:
-            required = {k: self._board[k] for k in self._strong_in[node_name] if k in self._board} or None
-        return self._gather_calls(node_name, [i.handle.call.remote(method, tuple(a), {}, required)
-                                              for i, a in zip(insts, args_per_instance)])
+                                f"for {n} instances; give one per instance")
+        return self.router.call(node_name, method, [tuple(a) for a in args_per_instance], {})
 
     def instances(self, node_name: str) -> list[str]:
         self._node(node_name)
-        return [i.iid for i in sorted(self._routable[node_name], key=lambda i: i.index)]
+        return [i.iid for i in sorted(self.pool.routable[node_name], key=lambda i: i.index)]
 
     def _node(self, node_name: str) -> None:
         if node_name not in self.graph.nodes:
             raise DataflowError(f"graph '{self.graph.name}' has no node '{node_name}'"
                                 f"{did_you_mean(node_name, self.graph.nodes)}; nodes: {', '.join(self.graph.nodes)}")
 
+    # ---- runtime control -----------------------------------------------------------
     def adjust_parallelism(self, node_name: str, target_parallelism: int, reason: str = "manual",
                            drain_timeout_s: float = 600.0) -> int:
-        """Scale a node live to ``target_parallelism``; returns the parallelism reached."""
+        """Scale a node live to ``target_parallelism``; returns the parallelism reached.
+
+        A routed node gains or drains replicas at once. A node of a worker group resizes
+        the whole group at the next step boundary: a new process group, the hosted nodes'
+        state carried over (their ``save_checkpoint``/``load_checkpoint``), control state
+        re-delivered."""
         self._require_started()
         self._node(node_name)
-        if not isinstance(target_parallelism, int) or target_parallelism < 1:
+        if not isinstance(target_parallelism, int) or isinstance(target_parallelism, bool) or target_parallelism < 1:
             raise DataflowError(f"adjust_parallelism('{node_name}'): target {target_parallelism!r} must be an int >= 1")
+        node = self.graph.nodes[node_name]
+        members = self.graph.group_nodes(node.group.name) if node.group is not None else [node_name]
+        for m in members:
+            mn = self.graph.nodes[m]
+            if target_parallelism < mn.min_parallelism or (mn.max_parallelism is not None
+                                                           and target_parallelism > mn.max_parallelism):
+                top = mn.max_parallelism if mn.max_parallelism is not None else "unbounded"
+                raise DataflowError(f"adjust_parallelism('{node_name}', {target_parallelism}): outside "
+                                    f"{m}'s min/max parallelism {mn.min_parallelism}..{top}; refused")
         with self._scale_lock:
-            before = len(self._routable[node_name])
-            if target_parallelism > before:
-                added = []
-                for _ in range(target_parallelism - before):
-                    inst = self._add_instance(node_name)
-                    if inst is None:
-                        self._decide(f"Scheduling decision: cannot raise {node_name} beyond "
-                                     f"{before + len(added)}: no free resources for another instance ({reason})")
-                        break
-                    added.append(inst.iid)
-                after = len(self._routable[node_name])
-                if added:
-                    where = ", ".join(f"{i.iid} on node {i.plan.ray_node_name}"
-                                      for i in self._routable[node_name] if i.iid in added)
-                    self._decide(f"Scheduling decision: raised {node_name} parallelism {before} -> {after} "
-                                 f"({reason}): {where}")
-                return after
-            if target_parallelism < before:
-                with self._lock:
-                    victims = sorted(self._routable[node_name], key=lambda i: i.index)[target_parallelism:]
-                    for v in victims:
-                        v.draining = True
-                    self._routable[node_name] = [i for i in self._routable[node_name] if not i.draining]
-                self._decide(f"Scheduling decision: lowered {node_name} parallelism {before} -> "
-                             f"{target_parallelism} ({reason}): draining {', '.join(v.iid for v in victims)}")
-                self._drain(victims, drain_timeout_s)
-            return len(self._routable[node_name])
+            if node.group is not None:
+                return self._resize_group(node.group.name, target_parallelism, reason)
+            return self._scale_routed(node_name, target_parallelism, reason, drain_timeout_s)
 
-    def _add_instance(self, node_name: str) -> _Instance | None:
+    def _scale_routed(self, node_name: str, target: int, reason: str, drain_timeout_s: float) -> int:
+        before = len(self.pool.routable[node_name])
+        if target > before:
+            added: list[Instance] = []
+            for _ in range(target - before):
+                free, _ = self._clusters()
+                inst = self.pool.add_route_instance(node_name, free)
+                if inst is None:
+                    self._decide(f"Scheduling decision: cannot raise {node_name} beyond "
+                                 f"{before + len(added)}: no free resources for another instance ({reason})")
+                    break
+                self.board.deliver_latest(node_name, [inst.proc])
+                if self._ulysses.get(node_name) is False and self.graph.nodes[node_name].ulysses:
+                    self._set_ulysses([inst], False)
+                with self.lock:
+                    self.pool.routable[node_name] = self.pool.routable[node_name] + [inst]
+                added.append(inst)
+            after = len(self.pool.routable[node_name])
+            if added:
+                where = ", ".join(f"{i.iid} on node {i.plan.ray_node_name}" for i in added)
+                self._decide(f"Scheduling decision: raised {node_name} parallelism {before} -> {after} "
+                             f"({reason}): {where}")
+            return after
+        if target < before:
+            with self.lock:
+                victims = sorted(self.pool.routable[node_name], key=lambda i: i.index)[target:]
+                for v in victims:
+                    v.draining = True
+                self.pool.routable[node_name] = [i for i in self.pool.routable[node_name] if not i.draining]
+            self._decide(f"Scheduling decision: lowered {node_name} parallelism {before} -> "
+                         f"{target} ({reason}): draining {', '.join(v.iid for v in victims)}")
+            self.pool.drain(victims, drain_timeout_s)
+        return len(self.pool.routable[node_name])
+
+    def _resize_group(self, group: str, target: int, reason: str) -> int:
         import ray
 
-        from hpc_verl.dataflow import raycluster
+        before = self.pool.world[group]
+        if target == before:
+            return before
+        hosted = self.graph.group_nodes(group)
+        with self.router.step_lock:  # the next step boundary: no item of this graph in flight
+            for n in hosted:
+                rank0 = self.pool.routable[n][0]
+                if ray.get(rank0.handle.has_method.remote(n, "check_world_size")):
+                    problem = self.router.call(n, "check_world_size", [(target,)], {})[0]
+                    if problem:
+                        raise DataflowError(f"adjust_parallelism: cannot resize worker group {group} "
+                                            f"{before} -> {target}: {problem}")
+            carry = [n for n in hosted
+                     if ray.get(self.pool.routable[n][0].handle.has_method.remote(n, "save_checkpoint"))]
+            free = self._free_with_group(group)
+            plan = place_group(self.graph, group, target, free, self.pool.bundle_prefix(group))
+            scratch = tempfile.mkdtemp(prefix=f"hpcv-resize-{group}-", dir=self.scratch_dir)
+            try:
+                for n in carry:
+                    self.router.call(n, "save_checkpoint", [(f"{scratch}/{n}",)], {})
+                procs = self.pool.replace_group(group, plan)
+                for n in carry:
+                    self.router.call(n, "load_checkpoint", [(f"{scratch}/{n}",)], {})
+                for n in hosted:
+                    self.board.deliver_latest(n, procs)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        for line in plan.decisions:
+            self._decide(line)
+        kept = f"; state of {', '.join(carry)} carried over" if carry else ""
+        self._decide(f"Scheduling decision: resized worker group {group} ({', '.join(hosted)}) {before} -> "
+                     f"{target} ({reason}): new process group{kept}")
+        return target
 
+    def _free_with_group(self, group: str) -> list[ClusterNode]:
+        """Free resources as if the group's own bundles were already given back."""
         free, _ = self._clusters()
-        partners = {e.src_name for e in self.graph.in_edges(node_name) if e.colocated}
-        partners |= {e.dst_name for e in self.graph.out_edges(node_name) if e.colocated}
-        prefer = []
-        for p in sorted(partners):
-            for inst in self._routable[p]:
-                if inst.ray_node_id not in prefer:
-                    prefer.append(inst.ray_node_id)
-        index = self._next_index[node_name]
-        placed = place_extra(self.graph, node_name, index, free, prefer, f"x{next(self._bundle_counter)}")
-        if placed is None:
-            return None
-        ip, bundle = placed
-        pg = raycluster.pinned_placement_group(bundle.resources, bundle.ray_node_id,
-                                               f"{self.graph.name}.{self._tag}.{bundle.bundle_id}")
-        try:
-            ray.get(pg.ready(), timeout=30)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(pg)
-            return None
-        self._pgs.append(pg)
-        self._next_index[node_name] = index + 1
-        inst = self._spawn(ip, pg)
-        self._collect_info([inst])
-        # a new instance starts from the latest state of every incoming control edge
-        with self._lock:
-            board = {e.key: self._board[e.key] for e in self.graph.in_edges(node_name, control=True)
-                     if e.key in self._board}
-        if board:
-            ray.get([inst.handle.apply_control.remote(k, src, v, refs) for k, (src, v, refs) in board.items()])
-        if self._ulysses.get(node_name) is False and self.graph.nodes[node_name].ulysses:
-            self._set_ulysses([inst], False)
-        with self._lock:
-            self._routable[node_name] = self._routable[node_name] + [inst]
-        return inst
-
-    def _drain(self, victims: list[_Instance], timeout_s: float) -> None:
-        import ray
-
-        deadline = time.monotonic() + timeout_s
-        while any(v.outstanding > 0 for v in victims):
-            if time.monotonic() > deadline:
-                raise DataflowError(f"draining {', '.join(v.iid for v in victims)} took over {timeout_s:g}s")
-            time.sleep(0.02)
-        for v in victims:
-            try:
-                stats = ray.get(v.handle.stats.remote(), timeout=10)
-                self._retired[v.node] += int(stats.get("processed", 0))
-            except Exception:  # noqa: BLE001 - a dead instance has nothing to count
-                pass
-            self._kill(v)
-            with self._lock:
-                self._instances[v.node] = [i for i in self._instances[v.node] if i is not v]
-
-    def _kill(self, inst: _Instance) -> None:
-        import ray
-
-        try:
-            ray.kill(inst.handle)
-        except Exception:  # noqa: BLE001
-            pass
-        if inst.pg is not None and not any(i.pg is inst.pg for insts in self._instances.values()
-                                           for i in insts if i is not inst):
-            try:
-                ray.util.remove_placement_group(inst.pg)
-            except Exception:  # noqa: BLE001
-                pass
-            self._pgs = [p for p in self._pgs if p is not inst.pg]
+        back: dict[str, dict[str, float]] = {}
+        for bundle in self.pool.releasable(group):
+            res = back.setdefault(bundle.ray_node_id, {})
+            for k, v in bundle.resources.items():
+                res[k] = res.get(k, 0.0) + v
+        out = []
+        for cn in free:
+            res = dict(cn.resources)
+            for k, v in back.get(cn.node_id, {}).items():
+                res[k] = res.get(k, 0.0) + v
+            out.append(ClusterNode(cn.node_id, cn.name, res))
+        return out
 
     def disable_ulysses(self, node_name: str) -> bool:
         """Switch off a node's sequence-parallel mode; a warned no-op if it has none."""
@@ -602,47 +298,50 @@ class HybridScheduler(MonitorMixin):
             self._decide(f"Scheduling decision: {msg}")
             return False
         if self._started:
-            self._set_ulysses(self._routable[node_name], False)
+            self._set_ulysses(self.pool.routable[node_name], False)
         self._ulysses[node_name] = False
         self._decide(f"Scheduling decision: disabled Ulysses sequence parallelism for {node_name}")
         return True
 
-    def _set_ulysses(self, insts: list[_Instance], enabled: bool) -> None:
+    def _set_ulysses(self, insts: list[Instance], enabled: bool) -> None:
         import ray
 
-        has = ray.get([i.handle.has_method.remote("set_ulysses") for i in insts]) if insts else []
-        self._gather_calls(insts[0].node if insts else "", [i.handle.call.remote("set_ulysses", (enabled,), {})
-                                                             for i, h in zip(insts, has) if h])
+        if not insts:
+            return
+        node = insts[0].node
+        if ray.get(insts[0].handle.has_method.remote(node, "set_ulysses")):
+            ray.get([i.handle.call.remote(node, "set_ulysses", (enabled,), {}) for i in insts])
+
+    # ---- status --------------------------------------------------------------------
+    def get_status(self) -> dict[str, Any]:
+        """Per node workers (rank, node, devices, items and rows)/world size/queue/throughput,
+        per edge latency/queue/versions, GPUs, decisions. JSON-ready."""
+        if self._started:
+            self.monitor.measure_queues()
+            self.monitor.poll_stats()
+        return self.monitor.snapshot()
 
     # ---- teardown ------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop the monitor; kill exactly this graph's actors, placement groups and status actor."""
         import ray
 
-        self._stop.set()
-        if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(timeout=10)
+        self.monitor.join()
         if not ray.is_initialized():
             return
-        for insts in self._instances.values():
-            for inst in insts:
-                try:
-                    ray.kill(inst.handle)
-                except Exception:  # noqa: BLE001
-                    pass
-        for pg in self._pgs:
+        if self._started:  # the status file keeps the final state (what every instance did)
             try:
-                ray.util.remove_placement_group(pg)
-            except Exception:  # noqa: BLE001
+                self.monitor.poll_stats()
+                self.monitor.publish()
+            except Exception:  # noqa: BLE001 - a dead instance must not stop the teardown
                 pass
+        self.pool.shutdown()
         if self._hub is not None:
             try:
                 ray.kill(self._hub)
             except Exception:  # noqa: BLE001
                 pass
-        self._pgs, self._hub = [], None
-        self._instances = {n: [] for n in self.graph.nodes}
-        self._routable = {n: [] for n in self.graph.nodes}
+        self._hub = None
         self._started = False
 
     def __enter__(self) -> "HybridScheduler":

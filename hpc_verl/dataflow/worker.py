@@ -1,13 +1,20 @@
-"""The Ray actor that hosts one instance of a dataflow node.
+"""The Ray actor (one process) that hosts instances of dataflow nodes.
 
-Threads: the node's handler (``run``/``call``) runs in the default group, one at
-a time; control messages arrive in the ``control`` group and are applied under
-the same lock, so never in the middle of an item; ``stats``/``info`` run in the
-``monitor`` group so the dashboard sees a busy worker without waiting for it.
+A routed node's instance has a process of its own; a worker group's rank ``r``
+is one process hosting instance ``r`` of every node of the group (verl's hybrid
+engine: actor, rollout and reference share a process per GPU). With a dist
+group the process joins the group's torch.distributed process group in
+``setup`` before it builds the node objects, so they can shard themselves.
 
-Items travel as envelopes ``(t_done, value, emitted)``: ``t_done`` gives the
-consumer the edge latency, ``emitted`` carries control messages the handler
-emitted (the driver publishes them).
+Threads: handlers (``run``/``call`` and the tensor transports) run in the
+default group, one at a time; object control messages arrive in the
+``control`` group and are applied under the same lock, so never in the middle
+of an item; ``stats``/``info`` run in the ``monitor`` group so the dashboard
+sees a busy worker without waiting for it.
+
+Items travel as envelopes ``(t_done, values, emitted)``: ``t_done`` gives the
+consumer the edge latency, ``emitted`` the control messages the handler emitted
+(payloads already in the object store, or the TENSORS marker).
 """
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ from typing import Any
 import ray
 
 from hpc_verl.dataflow import context as _context
-from hpc_verl.dataflow.context import ControlMessage, WorkerContext
+from hpc_verl.dataflow import spmd
+from hpc_verl.dataflow.context import TENSORS, ControlMessage, WorkerContext
 from hpc_verl.dataflow.graph import DataflowRunError
 from hpc_verl.errors import DataflowError
 
@@ -30,7 +38,7 @@ LATENCY_WINDOW = 1024
 
 
 def _gpu_memory() -> dict[str, Any]:
-    """Per visible GPU memory in MB, or 'n/a' (no GPU, or torch not loaded by the node)."""
+    """Per visible GPU memory in MB, or {} (no GPU, or torch not loaded by the node)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return {}
@@ -46,47 +54,42 @@ def _gpu_memory() -> dict[str, Any]:
         return {}
 
 
-@ray.remote(concurrency_groups={"control": 2, "monitor": 1}, max_concurrency=1)
-class DataflowWorker:
-    def __init__(self, spec: dict[str, Any]) -> None:
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else ""
+
+
+class _Hosted:
+    """One node's instance inside this process: its object, context and counters."""
+
+    def __init__(self, spec: dict[str, Any], ctx: WorkerContext) -> None:
         self.spec = spec
-        self.lock = threading.Lock()
-        ctx = ray.get_runtime_context()
-        self.ctx = WorkerContext(node_name=spec["node"], instance_id=spec["instance_id"], index=spec["index"],
-                                 ray_node_id=ctx.get_node_id(),
-                                 gpu_ids=[str(g) for g in ray.get_gpu_ids()],
-                                 out_control=list(spec.get("out_control", [])))
-        for key in spec.get("in_control", []):
-            self.ctx.versions[key] = -1
-        _context._CONTEXT = self.ctx
-        target = spec["target"]
-        if spec["is_class"]:
-            self.obj = target(*spec.get("init_args", ()), **spec.get("init_kwargs", {}))
-            self.handler = getattr(self.obj, spec["method"])
-            self.on_control = getattr(self.obj, spec["control_method"], None)
-        else:
-            self.obj = None
-            self.handler = target
-            self.on_control = None
-        self.in_keys = tuple(spec.get("in_keys", ()))
-        self.in_srcs = tuple(spec.get("in_srcs", ()))
-        self.join = len(self.in_keys) > 1
+        self.ctx = ctx
+        self.dispatch = spec["dispatch"]
+        self.split_key = spec.get("split_key")
+        self.inputs = list(spec.get("inputs", ()))
         self.edge_of = dict(spec.get("edge_of", {}))  # control edge key -> data_type
+        self.obj: Any = None
+        self.handler: Any = None
+        self.on_control: Any = None
         self.processed = 0
+        self.rows = 0
         self.busy_s = 0.0
         self.stale_rejected: dict[str, int] = {}
         self.rejections: list[tuple[str, int, int]] = []  # (edge, stale version, version held)
         self.latency: dict[str, deque] = {}
         self.errors = 0
 
-    # ---- monitor group ------------------------------------------------------------
-    @ray.method(concurrency_group="monitor")
-    def info(self) -> dict[str, Any]:
-        return {"instance_id": self.ctx.instance_id, "ray_node_id": self.ctx.ray_node_id,
-                "gpu_ids": list(self.ctx.gpu_ids), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "pid": os.getpid(), "hostname": socket.gethostname()}
+    def build(self) -> None:
+        spec = self.spec
+        target = spec["target"]
+        if spec["is_class"]:
+            self.obj = target(*spec.get("init_args", ()), **spec.get("init_kwargs", {}))
+            self.handler = getattr(self.obj, spec["method"])
+            self.on_control = getattr(self.obj, spec["control_method"], None)
+        else:
+            self.handler = target
 
-    @ray.method(concurrency_group="monitor")
     def stats(self) -> dict[str, Any]:
         lat = {}
         for key, buf in list(self.latency.items()):
@@ -94,100 +97,305 @@ class DataflowWorker:
             if vals:
                 lat[key] = {"n": len(vals), "mean_ms": 1000 * sum(vals) / len(vals),
                             "p95_ms": 1000 * vals[min(len(vals) - 1, int(0.95 * len(vals)))]}
-        return {"processed": self.processed, "busy_s": self.busy_s, "latency": lat,
+        return {"processed": self.processed, "rows": self.rows, "busy_s": self.busy_s, "latency": lat,
                 "versions": dict(self.ctx.versions), "stale_rejected": dict(self.stale_rejected),
-                "rejections": list(self.rejections[-64:]),
-                "gpu_memory": _gpu_memory(), "errors": self.errors}
+                "rejections": list(self.rejections[-64:]), "errors": self.errors}
 
-    # ---- control group ------------------------------------------------------------
+
+@ray.remote(concurrency_groups={"control": 2, "monitor": 1}, max_concurrency=1)
+class DataflowWorker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.lock = threading.Lock()
+        rt = ray.get_runtime_context()
+        self.ray_node_id = rt.get_node_id()
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        self.rank = int(spec.get("rank", 0))
+        self.world_size = int(spec.get("world_size", 1))
+        self.host = ray.util.get_node_ip_address()
+        self.store: Any = None          # this group's rendezvous store (rank 0: the master)
+        self.process_group: Any = None
+        self.sync: dict[str, dict[str, Any]] = {}   # sync-group key -> {"pg", "rank", "store"}
+        self.hosted: dict[str, _Hosted] = {}
+        for node, nspec in spec["nodes"].items():
+            ctx = WorkerContext(node_name=node, instance_id=nspec["instance_id"], index=nspec["index"],
+                                ray_node_id=self.ray_node_id, gpu_ids=list(self.gpu_ids),
+                                out_control=list(nspec.get("out_control", [])), rank=self.rank,
+                                world_size=self.world_size, group=spec.get("group"))
+            for key in nspec.get("in_control", []):
+                ctx.versions[key] = -1
+            self.hosted[node] = _Hosted(nspec, ctx)
+
+    # ---- start-up -----------------------------------------------------------------
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0: start the group's store; returns (address, port) for the other ranks."""
+        from hpc_verl.dataflow import distgroup
+
+        self.store, port = distgroup.open_store(self.host, self.world_size, self.spec["dist"]["timeout_s"])
+        return self.host, port
+
+    def setup(self, rendezvous: tuple[str, int] | None) -> dict[str, Any]:
+        """Join the group's process group (dist groups), then build the hosted node objects."""
+        dist_spec = self.spec.get("dist")
+        if dist_spec is not None:
+            from hpc_verl.dataflow import distgroup
+
+            timeout = dist_spec["timeout_s"]
+            if self.store is None:
+                assert rendezvous is not None
+                self.store = distgroup.connect_store(rendezvous[0], rendezvous[1], self.world_size, timeout)
+            distgroup.init_default_group(self.store, self.rank, self.world_size, dist_spec["backend"], timeout)
+            import torch.distributed as dist
+            self.process_group = dist.group.WORLD
+            for h in self.hosted.values():
+                h.ctx.process_group = self.process_group
+        for h in self.hosted.values():
+            _context._CONTEXT = h.ctx
+            h.build()
+        return self.info()
+
+    # ---- monitor group ------------------------------------------------------------
+    @ray.method(concurrency_group="monitor")
+    def info(self) -> dict[str, Any]:
+        return {"ray_node_id": self.ray_node_id, "gpu_ids": list(self.gpu_ids),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
+                "hostname": socket.gethostname(), "address": self.host, "rank": self.rank,
+                "world_size": self.world_size, "group": self.spec.get("group"),
+                "dist_backend": self._backend()}
+
+    def _backend(self) -> str | None:
+        if self.process_group is None:
+            return None
+        import torch.distributed as dist
+        return str(dist.get_backend(self.process_group))
+
+    @ray.method(concurrency_group="monitor")
+    def stats(self) -> dict[str, Any]:
+        return {"nodes": {n: h.stats() for n, h in self.hosted.items()}, "gpu_memory": _gpu_memory()}
+
+    # ---- control messages (object payloads) ---------------------------------------
     @ray.method(concurrency_group="control")
-    def apply_control(self, edge: str, src: str, version: int, refs: list, delay_s: float = 0.0) -> bool:
+    def apply_control(self, node: str, edge: str, src: str, version: int, refs: list, delay_s: float = 0.0) -> bool:
         """Apply a broadcast control message unless it is stale. ``delay_s`` injects a
         delivery delay (tests of stale-version rejection)."""
         if delay_s:
             time.sleep(delay_s)
         with self.lock:
-            return self._apply(edge, src, version, refs)
+            return self._apply(self.hosted[node], edge, src, version, refs)
 
-    def _apply(self, edge: str, src: str, version: int, refs: list) -> bool:
-        current = self.ctx.versions.get(edge, -1)
+    def _stale(self, h: _Hosted, edge: str, version: int) -> bool:
+        current = h.ctx.versions.get(edge, -1)
         if version <= current:
             if version < current:
-                self.stale_rejected[edge] = self.stale_rejected.get(edge, 0) + 1
-                self.rejections.append((edge, version, current))
+                h.stale_rejected[edge] = h.stale_rejected.get(edge, 0) + 1
+                h.rejections.append((edge, version, current))
+            return True
+        return False
+
+    def _set_version(self, h: _Hosted, edge: str, version: int) -> None:
+        data_type = h.edge_of.get(edge, edge)
+        h.ctx.versions[edge] = version
+        if data_type != edge:
+            h.ctx.versions[data_type] = version
+
+    def _apply(self, h: _Hosted, edge: str, src: str, version: int, refs: list) -> bool:
+        if self._stale(h, edge, version):
             return False
         payload = ray.get(refs[0])
-        data_type = self.edge_of.get(edge, edge)
-        if self.on_control is not None:
-            self.on_control(ControlMessage(edge=edge, data_type=data_type, version=version, payload=payload, src=src))
-        self.ctx.control[data_type] = payload
-        self.ctx.versions[edge] = version
-        if data_type != edge:
-            self.ctx.versions[data_type] = version
+        data_type = h.edge_of.get(edge, edge)
+        _context._CONTEXT = h.ctx
+        if h.on_control is not None:
+            h.on_control(ControlMessage(edge=edge, data_type=data_type, version=version, payload=payload, src=src))
+        h.ctx.control[data_type] = payload
+        self._set_version(h, edge, version)
         return True
 
-    # ---- default group: items and calls -------------------------------------------
-    def run(self, *inputs: Any) -> tuple[float, list, Any]:
-        """Process one micro-batch. Inputs: one envelope per incoming data edge (in
-        the order of ``spec['in_keys']``), or the raw list of items at a source."""
-        return self._run(None, inputs)
+    def _catch_up(self, h: _Hosted, required: dict | None) -> None:
+        """Strong edges: hold at least the required version before handling anything."""
+        for edge, (src, version, refs) in (required or {}).items():
+            if h.ctx.versions.get(edge, -1) >= version:
+                continue
+            if refs is TENSORS:  # tensor transports deliver before publish returns; missing means broken
+                raise DataflowError(f"{h.ctx.instance_id} holds {edge} v{h.ctx.versions.get(edge, -1)} but "
+                                    f"v{version} is required; the tensor sync did not arrive (stale replica)")
+            self._apply(h, edge, src, version, refs)
 
-    def run_required(self, required: dict, *inputs: Any) -> tuple[float, list, Any]:
-        """Like run, but first catch up to the required version of each strong control edge."""
-        return self._run(required, inputs)
+    # ---- tensor transports ----------------------------------------------------------
+    def apply_local(self, node: str, edge: str, src_node: str, version: int) -> dict[str, Any]:
+        """Both ends hosted here: the source's tensors go straight into the destination."""
+        with self.lock:
+            h, src = self.hosted[node], self.hosted[src_node]
+            data_type = h.edge_of.get(edge, edge)
+            t0 = time.perf_counter()
+            _context._CONTEXT = h.ctx
+            named = src.obj.export_tensors(data_type)
+            if self._stale(h, edge, version):  # the source's gathers are collective: still take part
+                for _ in named:
+                    pass
+                return {"applied": False}
+            h.obj.load_tensors(data_type, named, version)
+            self._set_version(h, edge, version)
+            return {"applied": True, "seconds": time.perf_counter() - t0}
 
-    def _run(self, required: dict | None, inputs: tuple) -> tuple[float, list, Any]:
-        t0 = time.time()
-        keys = self.in_keys
-        if keys:
-            for key, env in zip(keys, inputs):
-                buf = self.latency.get(key)
-                if buf is None:
-                    buf = self.latency[key] = deque(maxlen=LATENCY_WINDOW)
-                buf.append(t0 - env[0])
-            if self.join:
-                batch = [dict(zip(self.in_srcs, vals)) for vals in zip(*[env[1] for env in inputs])]
+    def sync_open(self, key: str, size: int, timeout_s: float) -> tuple[str, int]:
+        """Sync rank 0 (a source rank 0): the store for a new sync group."""
+        from hpc_verl.dataflow import distgroup
+
+        store, port = distgroup.open_store(self.host, size, timeout_s)
+        self.sync[key] = {"store": store}
+        return self.host, port
+
+    def sync_join(self, key: str, rank: int, size: int, address: tuple[str, int], backend: str,
+                  timeout_s: float) -> bool:
+        from hpc_verl.dataflow import distgroup
+
+        for old in [k for k in self.sync if k.split("#")[0] == key.split("#")[0] and k != key]:
+            self.sync.pop(old, None)  # an older membership of the same edge
+        entry = self.sync.setdefault(key, {})
+        if "store" not in entry:
+            entry["store"] = distgroup.connect_store(address[0], address[1], size, timeout_s)
+        entry["pg"] = distgroup.new_sync_group(entry["store"], key, rank, size, backend, timeout_s)
+        entry["rank"] = rank
+        entry["device"] = distgroup.device_for(distgroup.resolve_backend(backend))
+        return True
+
+    def sync_send(self, key: str | None, src_node: str, data_type: str, dtype: str | None,
+                  bucket_bytes: int) -> dict[str, Any]:
+        """Every source rank iterates its tensors (FSDP gathers are collective); sync rank 0 broadcasts."""
+        from hpc_verl.dataflow import distgroup
+
+        with self.lock:
+            src = self.hosted[src_node]
+            t0 = time.perf_counter()
+            _context._CONTEXT = src.ctx
+            named = src.obj.export_tensors(data_type)
+            entry = self.sync.get(key) if key else None
+            if entry is not None and entry.get("rank") == 0:
+                import torch
+                sent = distgroup.send_buckets(entry["pg"], named, entry["device"],
+                                              getattr(torch, dtype) if dtype else None, bucket_bytes)
             else:
-                batch = inputs[0][1]
+                sent = 0
+                for _ in named:
+                    pass
+            return {"bytes": sent, "seconds": time.perf_counter() - t0}
+
+    def sync_recv(self, key: str, node: str, edge: str, version: int) -> dict[str, Any]:
+        from hpc_verl.dataflow import distgroup
+
+        with self.lock:
+            h = self.hosted[node]
+            entry = self.sync[key]
+            t0 = time.perf_counter()
+            data_type = h.edge_of.get(edge, edge)
+            _context._CONTEXT = h.ctx
+            stale = self._stale(h, edge, version)
+            named = distgroup.recv_buckets(entry["pg"], entry["device"])
+            if stale:  # still take part in the broadcast, keep nothing
+                for _ in named:
+                    pass
+                return {"applied": False}
+            h.obj.load_tensors(data_type, named, version)
+            self._set_version(h, edge, version)
+            return {"applied": True, "seconds": time.perf_counter() - t0}
+
+    # ---- default group: items and calls -------------------------------------------
+    def run(self, node: str, required: dict | None, *inputs: Any) -> tuple[float, list, Any]:
+        """Process one micro-batch of ``node``. Inputs: per incoming data edge an envelope,
+        or the list of shard envelope refs of a split producer; at a source the items."""
+        h = self.hosted[node]
+        t0 = time.time()
+        if h.inputs:
+            per_edge = []
+            for desc, arg in zip(h.inputs, inputs):
+                if desc["src_dispatch"] == "split":
+                    envs = ray.get(list(arg))
+                    t_done = max(e[0] for e in envs)
+                    collect = desc["src_collect"] or spmd.concat
+                    values = [collect([e[1][j] for e in envs]) for j in range(len(envs[0][1]))]
+                else:
+                    t_done, values = arg[0], arg[1]
+                buf = h.latency.get(desc["key"])
+                if buf is None:
+                    buf = h.latency[desc["key"]] = deque(maxlen=LATENCY_WINDOW)
+                buf.append(t0 - t_done)
+                per_edge.append(values)
+            if len(per_edge) > 1:
+                srcs = [d["src"] for d in h.inputs]
+                batch = [dict(zip(srcs, vals)) for vals in zip(*per_edge)]
+            else:
+                batch = per_edge[0]
         else:
             batch = inputs[0]
-        handler = self.handler
         with self.lock:
-            if required:
-                for edge, (src, version, refs) in required.items():
-                    if self.ctx.versions.get(edge, -1) < version:
-                        self._apply(edge, src, version, refs)
-            emitted = self.ctx._emitted = []
+            self._catch_up(h, required)
+            _context._CONTEXT = h.ctx
+            emitted = h.ctx._emitted = []
+            rows = 0
             try:
-                outs = [handler(x) for x in batch]
+                outs = []
+                for item in batch:
+                    if h.dispatch == "split":
+                        bounds = spmd.split_bounds(item, self.world_size, h.split_key)
+                        start, stop = bounds[self.rank]
+                        h.ctx.shard_rows = (start, stop)
+                        item = spmd.take_rows(item, start, stop, spmd.num_rows(item))
+                        rows += stop - start
+                    elif h.dispatch == "spmd":
+                        rows += _rows_of(item) // self.world_size   # this rank's share of the work
+                    else:
+                        rows += _rows_of(item)
+                    outs.append(h.handler(item))
             except Exception as exc:
-                self.errors += 1
-                text = str(exc).strip()
-                first = text.splitlines()[-1] if text else ""
-                raise DataflowRunError(f"a node failed in {self.ctx.instance_id}: {type(exc).__name__}: "
-                                       f"{first}") from None
+                h.errors += 1
+                raise DataflowRunError(f"a node failed in {h.ctx.instance_id}: {type(exc).__name__}: "
+                                       f"{_last_line(exc)}") from None
             finally:
-                self.ctx._emitted = []
+                h.ctx._emitted = []
+                h.ctx.shard_rows = None
         t1 = time.time()
-        self.processed += len(batch)
-        self.busy_s += t1 - t0
-        return (t1, outs, emitted or None)
+        h.processed += len(batch)
+        h.rows += rows
+        h.busy_s += t1 - t0
+        if h.dispatch == "spmd" and self.rank:
+            return (t1, [None] * len(outs), None)   # rank 0's result is the node's; nothing to ship
+        return (t1, outs, self._ship(emitted))
 
-    def call(self, method: str, args: tuple, kwargs: dict, required: dict | None = None) -> tuple[Any, Any]:
-        """Call a method of the instance's object; returns (result, emitted control)."""
+    def _ship(self, emitted: list) -> list | None:
+        """Emitted payloads go to the object store from here, never through the driver."""
+        if not emitted:
+            return None
+        if self.spec.get("group") and self.rank:
+            return None  # every rank of a group emits the same; rank 0 speaks for it
+        return [(dt, v, p if p is TENSORS else ray.put(p)) for dt, v, p in emitted]
+
+    def call(self, node: str, method: str, args: tuple, kwargs: dict, required: dict | None = None) -> tuple[Any, Any]:
+        """Call a method of a hosted object; returns (result, emitted control)."""
         with self.lock:
-            for edge, (src, version, refs) in (required or {}).items():
-                if self.ctx.versions.get(edge, -1) < version:
-                    self._apply(edge, src, version, refs)
-            target = self.obj
+            h = self.hosted[node]
+            self._catch_up(h, required)
+            target = h.obj
             if target is None or not hasattr(target, method):
                 kind = type(target).__name__ if target is not None else "a function node"
-                raise DataflowError(f"node '{self.ctx.node_name}' ({kind}) has no method '{method}'")
-            emitted = self.ctx._emitted = []
+                raise DataflowError(f"node '{node}' ({kind}) has no method '{method}'")
+            _context._CONTEXT = h.ctx
+            emitted = h.ctx._emitted = []
             try:
-                return getattr(target, method)(*args, **kwargs), (emitted or None)
+                result = getattr(target, method)(*args, **kwargs)
             finally:
-                self.ctx._emitted = []
+                h.ctx._emitted = []
+        return result, self._ship(emitted)
 
-    def has_method(self, method: str) -> bool:
-        return self.obj is not None and callable(getattr(self.obj, method, None))
+    def has_method(self, node: str, method: str) -> bool:
+        obj = self.hosted[node].obj
+        return obj is not None and callable(getattr(obj, method, None))
+
+
+def _rows_of(item: Any) -> int:
+    """Rows of an item for the stats: a join counts its first input's rows; anything else 1."""
+    if isinstance(item, dict) and item and all(isinstance(v, dict) for v in item.values()):
+        item = next(iter(item.values()))
+    try:
+        return spmd.num_rows(item)
+    except DataflowError:
+        return 1

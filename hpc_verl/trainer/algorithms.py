@@ -42,18 +42,35 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     return out
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce a (batch, T) loss: over all tokens, or per sequence then over sequences."""
+def loss_denominator(mask: torch.Tensor, mode: str = "token-mean") -> float:
+    """What ``agg_loss`` divides by over a whole mini-batch: its response tokens
+    (token-mean) or its sequences that have any (seq-mean-*)."""
     if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
+        return max(float(mask.sum()), 1e-8)
+    return max(float((mask.sum(-1) > 0).float().sum()), 1.0)
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+             denom: float | None = None) -> torch.Tensor:
+    """Reduce a (batch, T) loss: over all tokens, or per sequence then over sequences.
+
+    ``denom``: the mini-batch's ``loss_denominator``; given it, a micro-batch (or a
+    data-parallel rank's share) contributes its sum over that global count, so the
+    contributions add up to exactly the mini-batch's loss whatever the split."""
+    if mode not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+    if mode == "token-mean":
+        if denom is None:
+            return masked_mean(loss_mat, mask)
+        return masked_sum(loss_mat, mask) / denom
     seq_has_tokens = (mask.sum(-1) > 0).float()
     if mode == "seq-mean-token-sum":
         per_seq = masked_sum(loss_mat, mask, dim=-1)
-    elif mode == "seq-mean-token-mean":
-        per_seq = masked_mean(loss_mat, mask, dim=-1)
     else:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}")
-    return (per_seq * seq_has_tokens).sum() / seq_has_tokens.sum().clamp(min=1)
+        per_seq = masked_mean(loss_mat, mask, dim=-1)
+    if denom is None:
+        denom = seq_has_tokens.sum().clamp(min=1)
+    return (per_seq * seq_has_tokens).sum() / denom
 
 
 def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -112,39 +129,48 @@ class PolicyLossOut:
 
 def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
-                clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean") -> PolicyLossOut:
+                clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean",
+                denom: float | None = None, token_denom: float | None = None) -> PolicyLossOut:
     """PPO clipped surrogate with dual-clip for negative advantages.
 
     loss_t = max(-A r, -A clip(r, 1-low, 1+high)); where A < 0 it is further capped
     at -A * clip_ratio_c (dual-clip, Ye et al. 2020), so a huge ratio on a bad
     action cannot dominate. ``clip_ratio_c`` None or <= 1 disables dual-clip.
+    ``denom``/``token_denom``: the mini-batch's loss and token denominators (see
+    ``agg_loss``): the loss and the token statistics become this part's share.
     """
     neg_kl = log_prob - old_log_prob
     ratio = torch.exp(neg_kl.clamp(-20.0, 20.0))
-    approx_kl = masked_mean(-neg_kl, mask)
+
+    def token_mean(x: torch.Tensor) -> torch.Tensor:
+        return masked_mean(x, mask) if token_denom is None else masked_sum(x, mask) / token_denom
+
+    approx_kl = token_mean(-neg_kl)
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
     clipped = torch.maximum(loss1, loss2)
-    clipfrac = masked_mean((loss2 > loss1).float(), mask)
+    clipfrac = token_mean((loss2 > loss1).float())
     if clip_ratio_c is not None and clip_ratio_c > 1:
         loss3 = -advantages * clip_ratio_c
         dual = torch.minimum(loss3, clipped)
-        clipfrac_lower = masked_mean(((clipped > loss3) & (advantages < 0)).float(), mask)
+        clipfrac_lower = token_mean(((clipped > loss3) & (advantages < 0)).float())
         final = torch.where(advantages < 0, dual, clipped)
     else:
         clipfrac_lower = torch.zeros(())
         final = clipped
-    return PolicyLossOut(agg_loss(final, mask, loss_agg_mode), clipfrac, clipfrac_lower, approx_kl)
+    return PolicyLossOut(agg_loss(final, mask, loss_agg_mode, denom), clipfrac, clipfrac_lower, approx_kl)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cliprange_value: float, loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor]:
+               cliprange_value: float, loss_agg_mode: str = "token-mean", denom: float | None = None,
+               token_denom: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss 0.5*max((v-R)^2, (clip(v, v_old±c)-R)^2); returns (loss, clipfrac)."""
     clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     l1 = (values - returns) ** 2
     l2 = (clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(l1, l2), mask, loss_agg_mode)
-    return loss, masked_mean((l2 > l1).float(), mask)
+    loss = 0.5 * agg_loss(torch.maximum(l1, l2), mask, loss_agg_mode, denom)
+    frac = (l2 > l1).float()
+    return loss, (masked_mean(frac, mask) if token_denom is None else masked_sum(frac, mask) / token_denom)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

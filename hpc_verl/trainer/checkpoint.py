@@ -1,10 +1,12 @@
 """Atomic, rotating checkpoints in verl's layout: ``<dir>/global_step_<N>/``.
 
-A checkpoint holds the actor and critic (weights, optimiser, scheduler, RNG),
-the trainer state (step, data position, KL controller, driver and rollout RNG)
-and is written to a hidden temp directory that is renamed into place, then
-``latest_checkpointed_iteration.txt`` is replaced atomically. A crash mid-save
-leaves the previous checkpoint as the latest.
+A checkpoint holds the actor and critic as sharded ``torch.distributed.checkpoint``
+directories (weights and optimiser, written by every rank of their group, loadable
+at any world size) with their scheduler and versions, small parts as ``<name>.pt``
+(KL controller, driver RNG) and the trainer state (step, data position) in
+``trainer_state.json``. It is written to a hidden temp directory that is renamed
+into place, then ``latest_checkpointed_iteration.txt`` is replaced atomically. A
+crash mid-save leaves the previous checkpoint as the latest.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import re
 import shutil
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.util.fs import atomic_write_text
@@ -65,8 +67,11 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
 
 def save_checkpoint(root: str | os.PathLike[str], step: int, parts: dict[str, Any], trainer_state: dict,
-                    keep_last: int | None = None) -> Path:
-    """Write ``parts`` (name → torch-saveable) and ``trainer_state`` (JSON) as step ``step``."""
+                    keep_last: int | None = None,
+                    writers: dict[str, Callable[[Path], None]] | None = None) -> Path:
+    """Write ``parts`` (name → torch-saveable), the directories ``writers`` fill (name →
+    ``write(dir)``, e.g. a worker group's sharded save) and ``trainer_state`` (JSON) as
+    step ``step``."""
     import torch
 
     r = Path(root)
@@ -77,12 +82,15 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, parts: dict[str, An
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
+        for name, write in (writers or {}).items():
+            write(tmp / name)
         for name, obj in parts.items():
             torch.save(obj, tmp / f"{name}.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
         if final.exists():  # re-saving the same step (e.g. signal right after a periodic save)
             old = r / f".old_global_step_{step}.{os.getpid()}"
             os.replace(final, old)
@@ -115,6 +123,24 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict, dict[str, Any]]
     except Exception as exc:
         raise CheckpointError(f"checkpoint {p}: unreadable ({type(exc).__name__}: {exc})") from None
     return state, parts
+
+
+def read_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A sharded part (e.g. ``global_step_N/actor``) as one full state dict in this process:
+    ``{"model": {name: tensor}, "optim": {...}}``, whatever world size wrote it (tools, tests,
+    export)."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    p = Path(path)
+    if not (p / ".metadata").is_file():
+        raise CheckpointError(f"{p} is not a sharded checkpoint part (no .metadata); expected global_step_N/actor")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(p), str(out))
+        return torch.load(out, map_location="cpu", weights_only=False)
 
 
 class PreemptionFlag:

@@ -60,6 +60,8 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "hpc_verl.device_mapping": (dict,),
     "hpc_verl.torch_threads": (int,),
     "hpc_verl.old_log_prob_from_rollout": (bool,),
+    "hpc_verl.collective_timeout_s": (int, float),
+    "hpc_verl.start_timeout_s": (int, float),
 }
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -92,7 +94,8 @@ _POSITIVE = {
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
     "reward_model.micro_batch_size_per_gpu", "trainer.nnodes", "trainer.total_epochs",
     "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
-    "hpc_verl.ray_num_cpus", "hpc_verl.torch_threads",
+    "hpc_verl.ray_num_cpus", "hpc_verl.torch_threads", "hpc_verl.collective_timeout_s",
+    "hpc_verl.weight_sync_bucket_mb", "hpc_verl.start_timeout_s",
 }
 _NON_NEGATIVE = {
     "trainer.n_gpus_per_node", "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_low",
@@ -338,6 +341,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     _validate_values(_flatten(schema), cfg)
     _interpolate(cfg)
     _fill_derived(cfg)
+    from hpc_verl.trainer.support import derive_micro_batches, refuse_unsupported
+    refuse_unsupported(cfg)
+    derive_micro_batches(cfg)
     return _sectioned(cfg)
 
 
@@ -457,9 +463,26 @@ def _gcd(a: int, b: int) -> int:
     return math.gcd(a, b) or 1
 
 
+def batch_problems_for(cfg: Mapping) -> list[str]:
+    """Batch arithmetic against the real data-parallel sizes: the actor's and the critic's
+    worker groups (CPU ranks count like GPUs: every rank takes an equal share)."""
+    from hpc_verl.trainer.topology import topology
+
+    topo = topology(cfg)
+
+    def world(role: str) -> int:
+        g = topo.group_of(role)
+        return g.world_size if g else 1
+
+    problems = [p for p in check_batch_arithmetic(cfg, world("actor")) if not p.startswith("critic")]
+    if cfg["critic"]["enable"]:
+        problems += [p for p in check_batch_arithmetic(cfg, world("critic")) if p.startswith("critic")]
+    return problems
+
+
 def validate_for_run(cfg: Mapping) -> None:
     """Checks that need the whole config (raise the first problem as one line)."""
-    problems = check_batch_arithmetic(cfg, n_gpus_total(cfg))
+    problems = batch_problems_for(cfg)
     if problems:
         raise ConfigError(problems[0])
     if cfg["actor_rollout_ref"]["model"]["path"] is None:

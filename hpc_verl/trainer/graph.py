@@ -1,10 +1,10 @@
 """The PPO loop as a DataflowGraph, placed by the HybridScheduler on Ray.
 
-``build_ppo_graph`` declares the nodes (roles) and edges; ``role_resources`` is
-the device mapping (3D-HybridEngine's first dimension: which GPU group each role
-gets). ``DataflowRunner`` runs one step as one item through the graph.
-``InlineRunner`` executes the same graph object in this process, in topological
-order, for fast unit tests of the nodes' logic (no Ray, no scheduler).
+``build_ppo_graph`` declares the nodes (roles) in the worker groups that
+``topology`` derives from verl's keys, and the edges between them.
+``DataflowRunner`` runs one step as one item through the graph. ``InlineRunner``
+executes the same graph object in this process, one rank per group, for fast
+unit tests of the nodes' logic (no Ray, no scheduler).
 """
 from __future__ import annotations
 
@@ -15,79 +15,59 @@ from typing import Any, Mapping
 
 from hpc_verl.errors import ConfigError
 from hpc_verl.trainer import nodes as N
+from hpc_verl.trainer.topology import Topology, topology
 
 log = logging.getLogger("hpc_verl.trainer")
 
-
-def roles_for(cfg: Mapping) -> tuple[str, ...]:
-    roles = ["rollout", "actor", "reward"]
-    if cfg["algorithm"]["use_kl_in_reward"] or cfg["actor_rollout_ref"]["actor"]["use_kl_loss"]:
-        roles.append("ref")
-    if cfg["critic"]["enable"]:
-        roles.append("critic")
-    return tuple(roles)
+POLICY_EDGE_KEY = "actor_update->actor_rollout"
+_DIST_ROLES = {"actor", "critic", "ref"}
 
 
-def role_resources(cfg: Mapping, roles: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Per-instance Ray resources of each role from ``hpc_verl.device_mapping``.
+def worker_groups(cfg: Mapping, topo: Topology) -> dict[str, Any]:
+    """One WorkerGroup per group of the topology (a torch.distributed group where a role trains
+    or shards; rollout-only and reward-model groups are independent replicas)."""
+    from hpc_verl.dataflow import WorkerGroup
 
-    On CPU (trainer.device=cpu) roles ask for no GPU. Roles that share a GPU group
-    split it: k roles on g GPUs get g/k each (whole GPUs when g >= k, a fraction
-    below one otherwise), so the scheduler co-locates them on the same devices as
-    verl's hybrid engine does. A rule-based reward never takes a GPU. The vLLM
-    rollout needs ``tensor_model_parallel_size`` whole GPUs.
-    """
-    t = cfg["trainer"]
-    if t["device"] == "cpu" or t["n_gpus_per_node"] == 0:
-        return {r: {} for r in roles}
-    n_gpus = t["n_gpus_per_node"]
-    mapping = cfg["hpc_verl"]["device_mapping"] or {}
-    gpu_roles = [r for r in roles if r != "reward" or cfg["reward_model"]["enable"]]
-    groups: dict[str, tuple[int, ...]] = {}
-    for r in gpu_roles:
-        groups[r] = tuple(mapping.get(r, range(n_gpus)))
-    out: dict[str, dict[str, float]] = {r: {} for r in roles}
-    for r in gpu_roles:
-        group = groups[r]
-        sharing = [o for o in gpu_roles if set(groups[o]) & set(group)]
-        share = len(group) / len(sharing)
-        out[r] = {"GPU": float(int(share)) if share >= 1 else round(share, 4)}
-    rollout = cfg["actor_rollout_ref"]["rollout"]
-    if "rollout" in roles and rollout["name"] == "vllm":
-        tp = rollout["tensor_model_parallel_size"]
-        if tp > len(groups["rollout"]):
-            raise ConfigError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} is more than the "
-                              f"{len(groups['rollout'])} GPU(s) mapped to the rollout")
-        out["rollout"] = {"GPU": float(tp)}
-    return out
+    timeout = float(cfg["hpc_verl"]["collective_timeout_s"])
+    return {g.name: WorkerGroup(g.name, g.world_size, g.resources, ranks_per_node=g.ranks_per_node,
+                                dist=bool(_DIST_ROLES & set(g.roles)), timeout_s=timeout)
+            for g in topo.groups.values()}
 
 
 def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
     """Declare the PPO dataflow for ``cfg`` (a plain dict)."""
     from hpc_verl.dataflow import DataflowGraph, Edge, Node
 
-    roles = roles_for(cfg)
-    res = role_resources(cfg, roles)
+    topo = topology(cfg)
+    groups = worker_groups(cfg, topo)
+
+    def group(role: str) -> Any:
+        spec = topo.group_of(role)
+        return groups[spec.name] if spec else None
+
     grpo = cfg["algorithm"]["adv_estimator"] == "grpo"
     graph = DataflowGraph(name)
     with graph:
-        rollout = Node("actor_rollout", N.RolloutNode, resources=res["rollout"], init_args=(cfg,))
-        reward = Node("reward_score", N.RewardNode, resources=res["reward"], init_args=(cfg,))
-        if "ref" in roles:
-            ref = Node("ref_logprob", N.RefNode, resources=res["ref"], init_args=(cfg,))
+        # a GRPO group's n samples stay on one replica
+        rollout = Node("actor_rollout", N.RolloutNode, group=group("rollout"), dispatch="split", split_key="uid",
+                       init_args=(cfg,))
+        if group("reward") is not None:   # a reward model: rows split over its group
+            reward = Node("reward_score", N.RewardNode, group=group("reward"), dispatch="split", init_args=(cfg,))
+        else:                             # rule-based: an independent replica, no device
+            reward = Node("reward_score", N.RewardNode, init_args=(cfg,))
+        if group("ref") is not None:
+            ref = Node("ref_logprob", N.RefNode, group=group("ref"), dispatch="split", init_args=(cfg,))
         if grpo:
-            adv = Node("advantage", N.AdvantageNode, resources={}, init_args=(cfg,), max_parallelism=1)
+            adv = Node("advantage", N.AdvantageNode, init_args=(cfg,), max_parallelism=1)
         else:
-            adv = Node("critic", N.CriticNode, resources=res["critic"], init_args=(cfg, total_steps),
-                       max_parallelism=1)
-        # stateful (weights, optimiser, KL controller): one instance, never scaled by backpressure
-        actor = Node("actor_update", N.ActorNode, resources=res["actor"], init_args=(cfg, total_steps),
-                     max_parallelism=1)
+            adv = Node("critic", N.CriticNode, group=group("critic"), dispatch="spmd", init_args=(cfg, total_steps))
+        actor = Node("actor_update", N.ActorNode, group=group("actor"), dispatch="spmd",
+                     init_args=(cfg, total_steps))
         # scores are a few bytes per response: keep reward next to the rollout
         Edge(rollout, reward, data_type="rollout_batch", co_locate=True)
         Edge(rollout, adv, data_type="rollout_batch")
         Edge(reward, adv, data_type="scores", max_size_bytes=1_000_000)
-        if "ref" in roles:
+        if group("ref") is not None:
             Edge(rollout, ref, data_type="rollout_batch")
             Edge(ref, adv, data_type="ref_log_prob")
         Edge(rollout, actor, data_type="rollout_batch")
@@ -98,6 +78,41 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
 
 def adv_node_name(cfg: Mapping) -> str:
     return "advantage" if cfg["algorithm"]["adv_estimator"] == "grpo" else "critic"
+
+
+def synthetic_cluster(cfg: Mapping) -> list[Any]:
+    """The cluster ``trainer.nnodes x n_gpus_per_node`` describes (plans without Ray: --dry-run)."""
+    from hpc_verl.dataflow import ClusterNode
+
+    t = cfg["trainer"]
+    per = float(t["n_gpus_per_node"])
+    res = {"CPU": per + 8.0} if t["device"] == "cpu" else {"CPU": 8.0 * per + 8.0, "GPU": per}
+    return [ClusterNode(f"node{i}", f"node{i}", dict(res)) for i in range(int(t["nnodes"]))]
+
+
+def describe_placement(cfg: Mapping) -> str:
+    """What ``--dry-run`` prints: the worker groups and the placement plan on the cluster the
+    config describes (batch arithmetic checked against the groups first)."""
+    from hpc_verl.dataflow import make_plan
+    from hpc_verl.trainer.config import batch_problems_for
+
+    problems = batch_problems_for(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+    topo = topology(cfg)
+    t = cfg["trainer"]
+    unit = "CPU rank(s)" if t["device"] == "cpu" else "GPU(s)"
+    graph = build_ppo_graph(cfg, 1, name=f"ppo-{t['experiment_name']}")
+    plan = make_plan(graph, synthetic_cluster(cfg))
+    head = [f"Trainer layout: {t['nnodes']} node(s) x {t['n_gpus_per_node']} {unit}; rollout replicas: "
+            f"{topo.rollout_replicas}; actor strategy {cfg['actor_rollout_ref']['actor']['strategy']}"]
+    head += [f"  {line}" for line in topo.lines()]
+    return "\n".join(head + [str(plan)])
+
+
+def _ray_cpus_needed(cfg: Mapping) -> int:
+    topo = topology(cfg)
+    return int(sum(g.world_size * g.resources.get("CPU", 0.0) for g in topo.groups.values())) + 1
 
 
 class DataflowRunner:
@@ -113,22 +128,27 @@ class DataflowRunner:
         from hpc_verl.dataflow import HybridScheduler
 
         hv = cfg["hpc_verl"]
+        run_dir = Path(os.path.expanduser(hv["run_dir"]))
         if not ray.is_initialized():
             address = hv["ray_address"] or os.environ.get("RAY_ADDRESS")
             pkg_parent = str(Path(__file__).resolve().parents[2])
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])),
                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            if os.environ.get("HPC_VERL_DIST_PORTS"):
+                env["HPC_VERL_DIST_PORTS"] = os.environ["HPC_VERL_DIST_PORTS"]
             if address:
                 ray.init(address=address, namespace="hpc_verl", runtime_env={"env_vars": env},
                          log_to_driver=True)
             else:  # a private single-node Ray on random ports; never joins someone else's cluster
                 os.environ.update(env)
-                ray.init(address="local", num_cpus=hv["ray_num_cpus"] or os.cpu_count(), include_dashboard=False,
-                         namespace="hpc_verl", log_to_driver=True)
+                cpus = hv["ray_num_cpus"] or max(os.cpu_count() or 1, _ray_cpus_needed(cfg))
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="hpc_verl",
+                         log_to_driver=True)
                 self._started_ray = True
         graph = build_ppo_graph(cfg, total_steps, name=f"ppo-{cfg['trainer']['experiment_name']}")
-        run_dir = Path(os.path.expanduser(cfg["hpc_verl"]["run_dir"]))
-        self.sched = HybridScheduler(graph, status_file=str(run_dir / "dataflow_status.json"))
+        self.sched = HybridScheduler(graph, status_file=str(run_dir / "dataflow_status.json"),
+                                     bucket_bytes=int(hv["weight_sync_bucket_mb"] * 2**20),
+                                     scratch_dir=str(run_dir), start_timeout_s=float(hv["start_timeout_s"]))
         self.sched.start()
         log.info("dataflow plan:\n%s", self.sched.placement)  # (the one start() placed by; planned once)
 
@@ -137,10 +157,16 @@ class DataflowRunner:
         return out["actor_update"][0]
 
     def call(self, node: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on every rank of the node (SPMD); rank 0's result."""
         return self.sched.call_all(node, method, *args, **kwargs)[0]
 
-    def publish_policy(self, weights: dict, version: int) -> None:
-        self.sched.send_control("actor_update->actor_rollout", weights, version)
+    def call_all(self, node: str, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method`` on every rank of the node; every rank's result, in rank order."""
+        return self.sched.call_all(node, method, *args, **kwargs)
+
+    def publish_policy(self, version: int) -> None:
+        from hpc_verl.dataflow import TENSORS
+        self.sched.send_control(POLICY_EDGE_KEY, TENSORS, version)
 
     def status(self) -> dict:
         return self.sched.get_status() if self.sched else {}
@@ -158,29 +184,53 @@ class DataflowRunner:
 
 
 class InlineRunner:
-    """The same graph, executed in this process in topological order (tests only: no Ray)."""
+    """The same graph, executed in this process in topological order, one rank per worker
+    group (tests only: no Ray, no torch.distributed)."""
 
     def __init__(self) -> None:
         self.instances: dict[str, Any] = {}
+        self.contexts: dict[str, Any] = {}
         self.graph: Any = None
 
     def start(self, cfg: Mapping, total_steps: int) -> None:
+        from hpc_verl.dataflow import context as C
+
         self.graph = build_ppo_graph(cfg, total_steps)
+        for g in self.graph.groups().values():
+            if g.world_size != 1:
+                raise ConfigError(f"InlineRunner runs one rank per worker group; group {g.name} has "
+                                  f"{g.world_size} (set trainer.nnodes=1 trainer.n_gpus_per_node=1)")
         for name in self.graph.topo_order():
             node = self.graph.nodes[name]
-            inst = node.target(*node.init_args, **node.init_kwargs)
-            self.instances[name] = inst
-        for edge in self.graph.control_edges():
-            src = self.instances[edge.src_name]
-            dst = self.instances[edge.dst_name]
+            ctx = C.WorkerContext(node_name=name, instance_id=f"{name}_0", index=0,
+                                  out_control=[e.data_type or e.key for e in self.graph.out_edges(name, control=True)],
+                                  group=node.group.name if node.group else None)
+            for e in self.graph.in_edges(name, control=True):
+                ctx.versions[e.key] = -1
+            self.contexts[name] = ctx
+            C._CONTEXT = ctx
+            self.instances[name] = node.target(*node.init_args, **node.init_kwargs)
 
-            def hook(payload: Any, version: int, dst: Any = dst, edge: Any = edge) -> None:
-                from hpc_verl.dataflow.context import ControlMessage
-                getattr(dst, "on_control")(ControlMessage(edge.key, edge.data_type, version, payload,
-                                                          edge.src_name))
-            src._emit_hook = hook
+    def _enter(self, name: str) -> Any:
+        from hpc_verl.dataflow import context as C
+        ctx = self.contexts[name]
+        C._CONTEXT = ctx
+        ctx._emitted = []
+        return ctx
+
+    def _deliver(self, src: str, emitted: list) -> None:
+        from hpc_verl.dataflow import TENSORS
+        for data_type, version, payload in emitted:
+            edge = next(e for e in self.graph.out_edges(src, control=True) if (e.data_type or e.key) == data_type)
+            assert payload is TENSORS, "the PPO graph's control edge carries tensors"
+            self._enter(edge.dst_name)
+            self.instances[edge.dst_name].load_tensors(data_type, self.instances[src].export_tensors(data_type),
+                                                       version)
+            self.contexts[edge.dst_name].versions.update({edge.key: version, data_type: version})
 
     def run_step(self, batch: dict) -> dict:
+        from hpc_verl.dataflow import spmd
+
         outputs: dict[str, Any] = {}
         for name in self.graph.topo_order():
             ins = self.graph.in_edges(name)
@@ -191,14 +241,23 @@ class InlineRunner:
                 item = outputs[ins[0].src_name]
             else:
                 item = {e.src_name: outputs[e.src_name] for e in ins}
+            ctx = self._enter(name)
+            if node.dispatch == "split":
+                ctx.shard_rows = (0, spmd.num_rows(item, node.split_key))
             outputs[name] = getattr(self.instances[name], node.method)(item)
+            self._deliver(name, list(ctx._emitted))
         return outputs["actor_update"]
 
     def call(self, node: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._enter(node)
         return getattr(self.instances[node], method)(*args, **kwargs)
 
-    def publish_policy(self, weights: dict, version: int) -> None:
-        self.instances["actor_rollout"].load_weights(weights, version)
+    def call_all(self, node: str, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [self.call(node, method, *args, **kwargs)]
+
+    def publish_policy(self, version: int) -> None:
+        from hpc_verl.dataflow import TENSORS
+        self._deliver("actor_update", [(N.POLICY_EDGE, version, TENSORS)])
 
     def status(self) -> dict:
         return {}

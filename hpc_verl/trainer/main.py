@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML config (verl key names); defaults: ppo_default.yaml")
     p.add_argument("--print-config", action="store_true", help="print the merged, validated config and exit")
     p.add_argument("--check", action="store_true", help="validate config, data and model, then exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the worker groups, ranks and bundles the trainer would place on "
+                        "trainer.nnodes x n_gpus_per_node devices (no Ray, no model load), then exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted overrides, e.g. data.train_batch_size=64 trainer.total_epochs=2")
@@ -35,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
+        return 0
+    if args.dry_run:
+        from hpc_verl.trainer.graph import describe_placement
+        print(describe_placement(cfg))
         return 0
     if args.check:  # PPOTrainer validates the config and checks the model itself
         from hpc_verl.trainer.ppo import PPOTrainer

@@ -1,101 +1,94 @@
-"""The PPO roles as dataflow node classes (``process(item)`` per batch, ``on_control(msg)`` for weights).
+"""The PPO roles as dataflow node classes (``process(item)`` per batch).
 
 Item flow of one step (one item = one batch of prompts x rollout.n)::
 
-    actor_rollout ──► reward_score ──┐
-          │  └──────► ref_logprob ───┤ (when a KL term is used)
+    actor_rollout ──► reward_score ──┐       split by prompt group over the rollout replicas
+          │  └──────► ref_logprob ───┤       split by rows over the reference ranks (KL only)
           │                          ▼
-          ├───────────────► critic (GAE: values, advantages, value update)
+          ├───────────────► critic (GAE: values, advantages, value update; SPMD)
           │                 or advantage (GRPO: group-normalised advantages)
           ▼                          │
-    actor_update ◄───────────────────┘  old log-probs, PPO update, emits the new
-          ╰──── policy (control edge, strong consistency) ───► actor_rollout
+    actor_update ◄───────────────────┘  old log-probs, PPO update (SPMD, DDP/FSDP2), then
+          ╰──── policy (control edge, strong consistency, TENSORS) ───► actor_rollout
 
-The actor publishes its weights with a version number from inside its handler;
-the runtime guarantees no later item reaches the rollout before that version is
-applied, and the rollout stamps each batch with the version it used.
+The actor publishes a new version with the TENSORS marker: the runtime moves its
+weights into the rollout inside each process (colocated, the default) or by a
+bucketed broadcast (the rollout on its own GPUs), never through the driver; no
+later batch reaches a rollout replica that does not hold that version.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from hpc_verl.dataflow.context import TENSORS
 from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import workers as W
+from hpc_verl.trainer.lm import response_log_probs
+from hpc_verl.trainer.model import quiet_transformers
+from hpc_verl.trainer.rollout import make_rollout_worker
 
 POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
 
 
-def _quiet() -> None:
-    from hpc_verl.trainer.ppo import _quiet_transformers
-    _quiet_transformers()
+def _context() -> Any:
+    from hpc_verl.dataflow import current_context
+    return current_context()
 
 
-def _emit(node: Any, payload: Any, version: int) -> None:
-    """Publish on the node's outgoing control edge (the runtime's context, or a test harness hook)."""
-    try:
-        from hpc_verl.dataflow import current_context
-        current_context().emit_control(payload, version)
-    except Exception:
-        hook = getattr(node, "_emit_hook", None)
-        if hook is None:
-            raise
-        hook(payload, version)
-
-
-def _version_from_context(default: int) -> int:
-    try:
-        from hpc_verl.dataflow import current_context
-        versions = current_context().versions
-        return int(versions.get(POLICY_EDGE, default)) if versions else default
-    except Exception:
-        return default
+def _sum_counts(*parts: dict | None) -> dict[str, int]:
+    """Counters from several roles (ints, or per-shard lists from split nodes), added up."""
+    out: dict[str, int] = {}
+    for part in parts:
+        for key, value in (part or {}).items():
+            out[key] = out.get(key, 0) + (sum(value) if isinstance(value, list) else int(value))
+    return out
 
 
 class RolloutNode:
-    """Generates responses with the latest policy version it was sent."""
+    """A rollout replica: generates for its shard with the latest policy version it holds."""
 
     def __init__(self, cfg: dict) -> None:
-        _quiet()
-        self.worker = W.make_rollout_worker(cfg)
+        quiet_transformers()
+        self.worker = make_rollout_worker(cfg)
         self.cfg = cfg
         self.need_log_prob = bool(cfg["algorithm"]["use_kl_in_reward"])
         self.sampler_log_prob_ok = bool(cfg["hpc_verl"]["old_log_prob_from_rollout"])
 
-    def process(self, batch: dict) -> dict:
-        required = batch.get("required_version")
-        out = self.worker.generate(batch, required_version=required)
-        merged = dict(batch)
+    def process(self, shard: dict) -> dict:
+        ctx = _context()
+        first_row = ctx.shard_rows[0] if ctx.shard_rows else 0
+        out = self.worker.generate(shard, required_version=shard.get("required_version"), first_row=first_row)
+        merged = dict(shard)
         merged.update(out)
         merged["policy_version"] = self.worker.version
-        merged["context_version"] = _version_from_context(self.worker.version)
+        merged["context_version"] = int(ctx.versions.get(POLICY_EDGE, self.worker.version))
+        rows = len(shard["prompt_ids"])
+        merged["replicas"] = [{"replica": ctx.index, "rows": rows, "gen_time_s": out["gen_time_s"][0],
+                               "tokens": out["n_response_tokens"][0]}]
+        merged["counts"] = {"gen_tokens": out["n_response_tokens"], "fwd_rows": [0]}
         if self.need_log_prob and not (self.sampler_log_prob_ok and "rollout_log_prob" in merged):
             # KL-in-reward needs the sampling policy's log-probs before the actor runs
             import torch
             with torch.no_grad():
-                m = self.worker.model
-                lp = W.response_log_probs(m, merged, float(self.cfg["actor_rollout_ref"]["rollout"]["temperature"]))
+                lp = response_log_probs(self.worker.model, merged,
+                                          float(self.cfg["actor_rollout_ref"]["rollout"]["temperature"]))
             merged["rollout_log_prob"] = lp.float().cpu()
+            merged["counts"]["fwd_rows"] = [rows]
         return merged
 
-    def on_control(self, msg: Any) -> None:
-        self.worker.load_weights(msg.payload, msg.version)
+    def load_tensors(self, data_type: str, named: Any, version: int) -> int:
+        return self.worker.load_tensors(named, version)
 
-    def load_weights(self, weights: dict, version: int) -> int:
-        return self.worker.load_weights(weights, version)
+    def tensor_dtype(self, data_type: str) -> str:
+        return self.worker.tensor_dtype()
 
     def get_version(self) -> int:
         return self.worker.version
 
-    def rng_state(self) -> Any:
-        return self.worker.rng_state()
-
-    def set_rng_state(self, state: Any) -> None:
-        self.worker.set_rng_state(state)
-
 
 class RewardNode:
     def __init__(self, cfg: dict) -> None:
-        _quiet()
+        quiet_transformers()
         self.worker = W.RewardWorker(cfg)
 
     def process(self, batch: dict) -> dict:
@@ -104,11 +97,11 @@ class RewardNode:
 
 class RefNode:
     def __init__(self, cfg: dict) -> None:
-        _quiet()
+        quiet_transformers()
         self.worker = W.RefWorker(cfg)
 
-    def process(self, batch: dict) -> dict:
-        return self.worker.compute_ref_log_prob(batch)
+    def process(self, shard: dict) -> dict:
+        return self.worker.compute_ref_log_prob(shard)
 
 
 class _AdvantageMixin:
@@ -135,11 +128,12 @@ class _AdvantageMixin:
         metrics["kl/coef"] = self.kl_ctrl.value
         return rewards, metrics
 
-    def kl_state(self) -> dict:
-        return self.kl_ctrl.state_dict()
-
-    def load_kl_state(self, state: dict) -> None:
-        self.kl_ctrl.load_state_dict(state)
+    @staticmethod
+    def _passed_on(out: dict, ref: dict | None, counts: dict) -> dict:
+        if ref is not None:
+            out["ref_log_prob"] = ref["ref_log_prob"]
+        out["counts"] = _sum_counts(counts, ref.get("counts") if ref else None)
+        return out
 
 
 class AdvantageNode(_AdvantageMixin):
@@ -157,23 +151,21 @@ class AdvantageNode(_AdvantageMixin):
         seq_reward = (rewards * mask).sum(-1)
         adv = A.compute_grpo_advantages(seq_reward, batch["uid"], mask,
                                         self.cfg["algorithm"]["norm_adv_by_std_in_grpo"])
-        out = {"advantages": adv, "scores": scores, "metrics": metrics}
-        if ref is not None:
-            out["ref_log_prob"] = ref["ref_log_prob"]
-        return out
+        return self._passed_on({"advantages": adv, "scores": scores, "metrics": metrics}, ref, {})
 
     def state_dict(self) -> dict:
-        return {"kl_ctrl": self.kl_state()}
+        return {"kl_ctrl": self.kl_ctrl.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.load_kl_state(state["kl_ctrl"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
 
 class CriticNode(_AdvantageMixin):
-    """GAE: values of the batch, advantages and returns, then the critic's own update."""
+    """GAE, one rank of the critic's group: values (rows split, gathered), advantages and
+    returns (the same on every rank), then the data-parallel value update."""
 
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
-        _quiet()
+        quiet_transformers()
         self._init_kl(cfg)
         self.worker = W.CriticWorker(cfg, total_steps)
 
@@ -181,33 +173,45 @@ class CriticNode(_AdvantageMixin):
         batch = dict(joined["actor_rollout"])
         scores = joined["reward_score"]["scores"]
         ref = joined.get("ref_logprob")
-        batch.update(self.worker.compute_values(batch))
+        values, _ = self.worker.compute_values(batch)
+        batch.update(values)
         rewards, metrics = self._token_rewards(batch, scores, ref)
         algo = self.cfg["algorithm"]
         adv, returns = A.compute_gae(rewards, batch["values"], batch["response_mask"], algo["gamma"], algo["lam"])
         batch["advantages"], batch["returns"] = adv, returns
-        metrics.update(self.worker.update_critic(batch))
+        update = self.worker.update_critic(batch)
+        counts = update.pop("counts")
+        counts["fwd_rows"] += batch["responses"].shape[0]   # the values pass, over all ranks
+        metrics.update(update)
         metrics["critic/values/mean"] = float(A.masked_mean(batch["values"], batch["response_mask"]))
-        out = {"advantages": adv, "scores": scores, "metrics": metrics}
-        if ref is not None:
-            out["ref_log_prob"] = ref["ref_log_prob"]
-        return out
+        return self._passed_on({"advantages": adv, "scores": scores, "metrics": metrics}, ref, counts)
 
-    def state_dict(self) -> dict:
-        state = self.worker.state_dict()
-        state["kl_ctrl"] = self.kl_state()
-        return state
+    def save_checkpoint(self, path: str) -> None:
+        self.worker.save_checkpoint(path)
+        if self.worker.par.rank == 0:
+            import os
 
-    def load_state_dict(self, state: dict) -> None:
-        self.worker.load_state_dict(state)
-        self.load_kl_state(state["kl_ctrl"])
+            import torch
+            torch.save({"kl_ctrl": self.kl_ctrl.state_dict()}, os.path.join(path, "kl_ctrl.pt"))
+        self.worker.par.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        import os
+
+        import torch
+        self.worker.load_checkpoint(path)
+        self.kl_ctrl.load_state_dict(torch.load(os.path.join(path, "kl_ctrl.pt"), weights_only=False)["kl_ctrl"])
+
+    def check_world_size(self, world: int) -> str | None:
+        return _check_world(self.cfg, world)
 
 
 class ActorNode:
-    """Old log-probs (current weights), the PPO update, then publishes the new weights."""
+    """One rank of the actor's group: old log-probs, the PPO update, then the new version
+    published (TENSORS: the runtime moves the weights to the rollout)."""
 
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
-        _quiet()
+        quiet_transformers()
         self.worker = W.ActorWorker(cfg, total_steps)
         self.cfg = cfg
 
@@ -218,18 +222,27 @@ class ActorNode:
         if "ref_log_prob" in adv_src:
             batch["ref_log_prob"] = adv_src["ref_log_prob"]
         mask = batch["response_mask"]
+        own_rows = 0
         if self.cfg["hpc_verl"]["old_log_prob_from_rollout"] and "rollout_log_prob" in batch:
             # same weights (the version check guarantees it), same float32 maths: skip the extra forward
             batch["old_log_prob"] = batch["rollout_log_prob"]
         else:
-            batch.update(self.worker.compute_log_prob(batch))
+            lp, _ = self.worker.compute_log_prob(batch)
+            batch.update(lp)
+            own_rows = batch["responses"].shape[0]
         metrics = dict(adv_src.get("metrics", {}))
         if "ref_log_prob" in batch and "kl/mean" not in metrics:
             metrics["kl/mean"] = float(A.masked_mean(
                 A.kl_penalty(batch["old_log_prob"], batch["ref_log_prob"], "kl"), mask, dim=-1).mean())
-        metrics.update(self.worker.update_policy(batch))
-        weights, version = self.worker.get_weights()
-        _emit(self, weights, version)
+        step = int(batch.get("step", 0))
+        if step > int(self.cfg["trainer"]["critic_warmup"]):
+            update = self.worker.update_policy(batch, step=step)
+            _context().emit_control(TENSORS, self.worker.version)
+        else:  # trainer.critic_warmup: the critic learns first, the policy (and its version) stays
+            update = {"counts": {}, "actor/policy_version": self.worker.version}
+        counts = _sum_counts(update.pop("counts"), {"fwd_rows": own_rows}, adv_src.get("counts"),
+                             batch.get("counts"))
+        metrics.update(update)
         scores = adv_src["scores"]
         metrics.update({
             "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
@@ -237,18 +250,34 @@ class ActorNode:
             "advantages/mean": float(A.masked_mean(batch["advantages"], mask)),
             "rollout/policy_version": int(batch["policy_version"]),
             "n_responses": int(mask.shape[0]), "n_response_tokens": int(mask.sum()),
-            "timing_s/gen": float(batch.get("gen_time_s", 0.0)),
+            "timing_s/gen": float(max(batch.get("gen_time_s", [0.0]))),
+            "rollout/replicas": len(batch.get("replicas", [])),
+            "perf/fwd_rows": counts.get("fwd_rows", 0), "perf/bwd_rows": counts.get("bwd_rows", 0),
+            "perf/optim_steps": counts.get("optim_steps", 0), "perf/gen_tokens": counts.get("gen_tokens", 0),
         })
         return metrics
 
-    def get_weights(self) -> tuple[dict, int]:
-        return self.worker.get_weights()
+    def export_tensors(self, data_type: str) -> Any:
+        return self.worker.export_tensors()
 
     def get_version(self) -> int:
         return self.worker.version
 
-    def state_dict(self) -> dict:
-        return self.worker.state_dict()
+    def weights_digest(self) -> str | None:
+        return self.worker.weights_digest()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.worker.load_state_dict(state)
+    def save_checkpoint(self, path: str) -> None:
+        self.worker.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.worker.load_checkpoint(path)
+
+    def check_world_size(self, world: int) -> str | None:
+        return _check_world(self.cfg, world)
+
+
+def _check_world(cfg: dict, world: int) -> str | None:
+    """Why ``world`` data-parallel ranks cannot take this config's batches (None: they can)."""
+    from hpc_verl.trainer.config import check_batch_arithmetic
+    problems = check_batch_arithmetic(cfg, world)
+    return problems[0] if problems else None

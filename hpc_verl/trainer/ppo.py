@@ -16,13 +16,16 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
-from hpc_verl.errors import ConfigError
-from hpc_verl.trainer.checkpoint import (REQUEUE_EXIT_CODE, PreemptionFlag, latest_checkpoint, load_checkpoint,
-                                         save_checkpoint)
+from hpc_verl.errors import ConfigError, HpcVerlError
+from hpc_verl.trainer.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, PreemptionFlag, latest_checkpoint,
+                                         load_checkpoint, save_checkpoint)
+from hpc_verl.trainer.topology import topology
 from hpc_verl.trainer.config import Section, to_yaml, validate_for_run
 from hpc_verl.trainer.metrics import MetricsLog, StepProgress, summary_table
 
 log = logging.getLogger("hpc_verl.trainer")
+
+CHECKPOINT_FORMAT = 2   # sharded actor/critic directories (1: whole-model actor.pt, before worker groups)
 
 
 class Runner(Protocol):
@@ -34,21 +37,11 @@ class Runner(Protocol):
 
     def call(self, node: str, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
-    def publish_policy(self, weights: dict, version: int) -> None: ...
+    def call_all(self, node: str, method: str, *args: Any, **kwargs: Any) -> list[Any]: ...
+
+    def publish_policy(self, version: int) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-def _quiet_transformers() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import transformers
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except Exception:  # pragma: no cover
-        pass
 
 
 class PPOTrainer:
@@ -59,9 +52,9 @@ class PPOTrainer:
         from transformers import AutoTokenizer
 
         from hpc_verl.data.dataset import ResumableSampler, RLDataset
-        from hpc_verl.trainer.model import check_model
+        from hpc_verl.trainer.model import check_model, quiet_transformers
 
-        _quiet_transformers()
+        quiet_transformers()
         validate_for_run(cfg)
         self.cfg = cfg
         self.run_dir = Path(os.path.expanduser(cfg.hpc_verl.run_dir))
@@ -120,31 +113,47 @@ class PPOTrainer:
         rng = parts.get("driver_rng") or {}
         if "torch" in rng:
             torch.set_rng_state(rng["torch"])
-        self.runner.call("actor_update", "load_state_dict", parts["actor"])
+        for node, sub in self._sharded_parts().items():   # every rank loads its shards (any world size)
+            if not (path / sub).is_dir():
+                raise CheckpointError(f"checkpoint {path}: {sub}/ is missing; not a complete checkpoint of this "
+                                      f"run (pick another global_step_N or set trainer.resume_mode=disable)")
+            self.runner.call(node, "load_checkpoint", str(path / sub))
         if "adv" in parts:
             self.runner.call(self.adv_node, "load_state_dict", parts["adv"])
-        if "rollout_gen" in rng:
-            self.runner.call("actor_rollout", "set_rng_state", rng["rollout_gen"])
+        version = self.runner.call("actor_update", "get_version")
+        assert version == self.version, (version, self.version)
         if self.version > 0:
-            weights, version = self.runner.call("actor_update", "get_weights")
-            assert version == self.version, (version, self.version)
-            self.runner.publish_policy(weights, version)
+            self.runner.publish_policy(self.version)
         self.resumed_from = path
         log.info("resumed from %s (step %d, policy version %d)", path, self.step, self.version)
 
+    def _sharded_parts(self) -> dict[str, str]:
+        """Nodes that save themselves (every rank of their group writes its shards) -> sub-directory."""
+        parts = {"actor_update": "actor"}
+        if self.adv_node == "critic":
+            parts["critic"] = "critic"
+        return parts
+
     def save(self) -> Path:
         import torch
-        parts: dict[str, Any] = {
-            "actor": self.runner.call("actor_update", "state_dict"),
-            "adv": self.runner.call(self.adv_node, "state_dict"),
-            "driver_rng": {"torch": torch.get_rng_state(),
-                           "rollout_gen": self.runner.call("actor_rollout", "rng_state")},
-        }
+        parts: dict[str, Any] = {"driver_rng": {"torch": torch.get_rng_state()}}
+        if self.adv_node == "advantage":
+            parts["adv"] = self.runner.call("advantage", "state_dict")
+        writers = {sub: (lambda d, node=node: self.runner.call(node, "save_checkpoint", str(d)))
+                   for node, sub in self._sharded_parts().items()}
+        digests = self.runner.call_all("actor_update", "weights_digest")
+        if len({d for d in digests if d is not None}) > 1:
+            raise HpcVerlError(f"step {self.step}: the actor's data-parallel ranks hold different weights "
+                               f"(digests {', '.join(d[:12] for d in digests)}); the replicas drifted, refusing to "
+                               f"checkpoint them")
         state = {"step": self.step, "policy_version": self.version, "data": self.sampler.state_dict(),
                  "python_rng": random.getstate(), "total_steps": self.total_steps,
-                 "adv_estimator": self.cfg.algorithm.adv_estimator}
+                 "adv_estimator": self.cfg.algorithm.adv_estimator, "format": CHECKPOINT_FORMAT,
+                 "world_sizes": {g.name: g.world_size for g in topology(self.cfg).groups.values()},
+                 "actor_weight_digests": digests}
         keep = self.cfg.trainer.max_actor_ckpt_to_keep
-        self.last_checkpoint = save_checkpoint(self.run_dir, self.step, parts, state, keep_last=keep)
+        self.last_checkpoint = save_checkpoint(self.run_dir, self.step, parts, state, keep_last=keep,
+                                               writers=writers)
         return self.last_checkpoint
 
     # ------------------------------------------------------------------ one step
@@ -152,6 +161,7 @@ class PPOTrainer:
         idx = self.sampler.next_batch()
         samples = [self.dataset.samples[i] for i in idx for _ in range(self.n)]
         return {"prompt_ids": [s.prompt_ids for s in samples], "data_source": [s.data_source for s in samples],
+                "prompt_width": max(len(s.prompt_ids) for s in samples),
                 "ground_truth": [s.ground_truth for s in samples], "extra_info": [s.extra_info for s in samples],
                 "uid": [f"{self.sampler.epoch}:{s.index}" for s in samples], "sample_index": idx,
                 "required_version": self.version, "step": self.step + 1}

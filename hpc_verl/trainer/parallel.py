@@ -1,0 +1,210 @@
+"""Data parallelism for the trainer's roles: where a worker runs in its group
+(rank, world size, process group), DDP / FSDP2 wrapping, the collectives the
+PPO maths needs, full tensors shard by shard, and sharded checkpoints.
+
+Everything here also works without a process group (world size 1, e.g. the
+in-process test runner): collectives become no-ops.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+STRATEGIES = ("ddp", "fsdp", "fsdp2")   # fsdp is FSDP2 (fully_shard) here
+
+
+@dataclass
+class Parallel:
+    """A role's place in its worker group."""
+
+    rank: int = 0
+    world: int = 1
+    group: Any = None          # torch.distributed group (None: single process)
+    device: str = "cpu"
+
+    @classmethod
+    def current(cls, device: str) -> "Parallel":
+        """From the dataflow context when running in a worker group, else a single rank."""
+        try:
+            from hpc_verl.dataflow import current_context
+            ctx = current_context()
+        except Exception:  # noqa: BLE001 - outside the dataflow (tests, tools)
+            return cls(device=device)
+        return cls(ctx.rank, ctx.world_size, ctx.process_group, device)
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None and self.world > 1
+
+    def rows(self, n: int) -> tuple[int, int]:
+        """This rank's contiguous share of ``n`` rows (``n`` divisible by the world size)."""
+        if n % self.world:
+            from hpc_verl.errors import HpcVerlError
+            raise HpcVerlError(f"{n} rows do not split evenly over {self.world} data-parallel ranks; make the "
+                               f"batch (data.train_batch_size x rollout.n) a multiple of {self.world}")
+        per = n // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    def all_reduce_sum(self, tensor: Any) -> Any:
+        if self.distributed:
+            import torch.distributed as dist
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def all_gather_rows(self, tensor: Any) -> Any:
+        """Every rank's equal-sized rows, concatenated in rank order (on the caller's device)."""
+        if not self.distributed:
+            return tensor
+        import torch
+        import torch.distributed as dist
+        dev = torch.device(self.device if self.device != "cpu" else "cpu")
+        local = tensor.to(dev).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts, dim=0).to(tensor.device)
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+            dist.barrier(group=self.group)
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The repeated transformer blocks of a Hugging Face model (the FSDP units)."""
+    return [m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))
+            and not type(m).__name__.startswith("Model")]
+
+
+def shard_model(model: Any, par: Parallel, *, param_offload: bool = False, reshard_after_forward: bool = True,
+                mixed_precision: bool = False) -> Any:
+    """FSDP2 (``fully_shard``) per decoder layer and on the root; bf16 compute on CUDA."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    import torch
+    device_type = "cuda" if par.device == "cuda" else "cpu"
+    mesh = init_device_mesh(device_type, (par.world,))
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if param_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class TrainModel:
+    """A role's model as it trains: the module itself (names, state dicts) and what runs
+    forward/backward (DDP wrapper, FSDP2-sharded module, or the module at world size 1)."""
+
+    def __init__(self, module: Any, strategy: str, par: Parallel, *, param_offload: bool = False,
+                 reshard_after_forward: bool = True) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy {strategy!r}")
+        self.module = module
+        self.strategy = strategy
+        self.par = par
+        self.sharded = strategy in ("fsdp", "fsdp2") and par.group is not None   # no group: one plain process
+        if self.sharded:
+            self.forward_module = shard_model(module, par, param_offload=param_offload,
+                                              reshard_after_forward=reshard_after_forward,
+                                              mixed_precision=par.device == "cuda")
+        elif par.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+            ids = [0] if par.device == "cuda" else None
+            self.forward_module = DistributedDataParallel(module, device_ids=ids)
+        else:
+            self.forward_module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward_module(*args, **kwargs)
+
+    def grad_sync(self, enabled: bool) -> Any:
+        """Gradient reduction on this backward or not (accumulating micro-batches)."""
+        if self.sharded:
+            self.forward_module.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
+        if not enabled and hasattr(self.forward_module, "no_sync"):
+            return self.forward_module.no_sync()
+        return contextlib.nullcontext()
+
+    def parameters(self) -> Any:
+        return self.module.parameters()
+
+    def train(self) -> None:
+        self.module.train()
+
+    def eval(self) -> None:
+        self.module.eval()
+
+
+def full_tensors(module: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, full tensor)`` for every parameter (once, shared ones too) and persistent
+    buffer; FSDP shards are gathered one parameter at a time (a collective: every rank of
+    the group iterates together)."""
+    for name, p in module.named_parameters():
+        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+    persistent = set(module.state_dict(keep_vars=True))
+    for name, b in module.named_buffers():
+        if name in persistent:
+            yield name, b.detach()
+
+
+def load_named(module: Any, named: Any) -> int:
+    """Copy ``(name, tensor)`` pairs into ``module``'s parameters/buffers of those names."""
+    import torch
+
+    targets = dict(module.named_parameters())
+    targets.update(dict(module.named_buffers()))
+    n = 0
+    with torch.no_grad():
+        for name, t in named:
+            dst = targets.get(name)
+            if dst is None:
+                raise KeyError(f"weight sync: '{name}' is not a parameter of the receiving model")
+            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+            n += 1
+    return n
+
+
+def save_sharded(path: str, module: Any, optimizer: Any, extra: dict, par: Parallel) -> None:
+    """A ``torch.distributed.checkpoint`` of model + optimizer (every rank writes its shards)
+    and rank 0's ``extra.pt`` (scheduler, versions, generators): loadable at any world size."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    os.makedirs(path, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
+             process_group=par.group if par.distributed else None)
+    if par.rank == 0:
+        torch.save(extra, os.path.join(path, "extra.pt"))
+    par.barrier()
+
+
+def load_sharded(path: str, module: Any, optimizer: Any, par: Parallel) -> dict:
+    """Load ``save_sharded``'s checkpoint into this rank's shards (any world size); returns extra."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path, process_group=par.group if par.distributed else None)
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
+
+
+def offload_optimizer(optimizer: Any, device: str) -> None:
+    """Move the optimizer's state tensors to ``device`` (CPU between steps: fsdp_config.optimizer_offload)."""
+    import torch
+
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type != device:
+                state[key] = value.to(device, non_blocking=True)

@@ -1,0 +1,133 @@
+"""Data parallelism is proven by equivalence: one PPO update of the actor and of the critic at
+W=2 ranks (a real torch.distributed group over gloo, two Ray actors) gives the same weights as
+W=1 on the same batch, to 1e-5, for DDP and for FSDP2 (``fully_shard``, which runs on CPU
+here). The batch has two mini-batches, two PPO epochs with shuffling and micro-batches of one
+row (gradient accumulation), and responses of different lengths (the loss is normalised by the
+mini-batch's global token count).
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ray = pytest.importorskip("ray")
+
+from trainer_fixtures import tiny_model  # noqa: E402,F401
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TOL = 1e-5
+
+
+class Roles:
+    """An actor and a critic worker in one rank of a worker group (the hybrid layout)."""
+
+    def __init__(self, cfg: dict) -> None:
+        from hpc_verl.trainer.workers import ActorWorker, CriticWorker
+        self.actor = ActorWorker(cfg, total_steps=4)
+        self.critic = CriticWorker(cfg, total_steps=4)
+
+    def process(self, item):
+        return item
+
+    def update(self, batch: dict) -> dict:
+        a = self.actor.update_policy(dict(batch), step=1)
+        c = self.critic.update_critic(dict(batch))
+        lp, _ = self.actor.compute_log_prob(dict(batch))
+        out = {k: v for k, v in {**a, **c}.items() if k != "counts"}
+        out["old_log_prob_after"] = lp["old_log_prob"]
+        out["counts"] = (a["counts"], c["counts"])
+        return out
+
+    def weights(self) -> dict:
+        return {"actor": {n: t.clone() for n, t in self.actor.export_tensors()},
+                "critic": {n: t.clone() for n, t in self.critic.export_tensors()}}
+
+
+def _batch(vocab: int) -> dict:
+    g = torch.Generator().manual_seed(7)
+    n, plen, rlen = 8, 5, 4
+    ids = torch.randint(8, vocab, (n, plen + rlen), generator=g)
+    attn = torch.ones(n, plen + rlen, dtype=torch.long)
+    attn[::3, :2] = 0                      # some left padding
+    resp_mask = torch.ones(n, rlen)
+    resp_mask[1, 2:] = 0                   # responses of different lengths
+    resp_mask[4, 1:] = 0
+    resp_mask[6, 3:] = 0
+    attn[:, plen:] = resp_mask.long()
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": ids[:, plen:],
+            "response_mask": resp_mask,
+            "old_log_prob": -(torch.rand(n, rlen, generator=g) * 2 + 0.5) * resp_mask,
+            "advantages": torch.randn(n, rlen, generator=g) * resp_mask,
+            "values": torch.randn(n, rlen, generator=g) * resp_mask,
+            "returns": torch.randn(n, rlen, generator=g) * resp_mask}
+
+
+def _run(model_path: str, world: int, strategy: str, batch: dict) -> tuple[dict, dict]:
+    from hpc_verl.dataflow import DataflowGraph, HybridScheduler, Node, WorkerGroup
+    from hpc_verl.trainer.config import load_config
+
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={model_path}", "trainer.device=cpu",
+                             f"trainer.n_gpus_per_node={world}", "data.train_batch_size=4",
+                             "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                             "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=true",
+                             "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
+                             "critic.ppo_micro_batch_size_per_gpu=1", "critic.optim.lr=1e-3",
+                             f"actor_rollout_ref.actor.strategy={strategy}", f"critic.strategy={strategy}",
+                             "algorithm.adv_estimator=gae"]).to_dict()
+    graph = DataflowGraph(f"dp-{strategy}-{world}")
+    graph.add(Node("roles", Roles, group=WorkerGroup("g", world, {"CPU": 1}, timeout_s=60), init_args=(cfg,)))
+    sched = HybridScheduler(graph, backpressure=False)
+    try:
+        sched.start()
+        out = sched.call_all("roles", "update", batch)
+        weights = sched.call_all("roles", "weights")
+        status = sched.get_status()
+    finally:
+        sched.shutdown()
+    assert [w["rank"] for w in status["nodes"]["roles"]["workers"]] == list(range(world))
+    assert status["nodes"]["roles"]["dist_backend"] == "gloo"
+    # every rank gathered the same full weights
+    for other in weights[1:]:
+        for role in ("actor", "critic"):
+            assert all(torch.equal(other[role][k], weights[0][role][k]) for k in weights[0][role])
+    return out[0], weights[0]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from hpc_verl.dataflow.simcluster import start_sim_cluster, stop_sim_cluster
+    c = start_sim_cluster([(3, 0)])
+    try:
+        yield c
+    finally:
+        stop_sim_cluster(c)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_update_like_one(cluster, tiny_model, strategy):
+    import json
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    batch = _batch(vocab)
+    m1, w1 = _run(str(tiny_model), 1, strategy, batch)
+    m2, w2 = _run(str(tiny_model), 2, strategy, batch)
+    moved = 0.0
+    for role in ("actor", "critic"):
+        for name, t1 in w1[role].items():
+            diff = float((t1 - w2[role][name]).abs().max())
+            assert diff < TOL, f"{strategy} {role}.{name}: W=2 differs from W=1 by {diff:g}"
+    from transformers import AutoModelForCausalLM
+    init = dict(AutoModelForCausalLM.from_pretrained(str(tiny_model)).named_parameters())
+    moved = max(float((w1["actor"][n] - init[n]).abs().max()) for n in init)
+    assert moved > 1e-4, "the update did not change the actor; the comparison would prove nothing"
+    for key in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
+                "critic/vf_loss", "critic/grad_norm"):
+        assert m1[key] == pytest.approx(m2[key], abs=TOL, rel=TOL), key
+    assert torch.allclose(m1["old_log_prob_after"], m2["old_log_prob_after"], atol=TOL)
+    # the same work at either size: 2 epochs x 8 rows forward+backward, 2 epochs x 2 optimizer steps
+    assert m1["counts"] == m2["counts"] == ({"fwd_rows": 16, "bwd_rows": 16, "optim_steps": 4},) * 2
