@@ -88,21 +88,35 @@ def test_validate_for_run_catches_inconsistent_settings(tmp_path):
                                                    "actor_rollout_ref.actor.ppo_mini_batch_size=4"]))
 
 
-def test_device_mapping_gives_roles_gpu_groups():
-    from hpc_verl.trainer.graph import role_resources, roles_for
-    cfg = load_config(None, ["trainer.n_gpus_per_node=8", "algorithm.adv_estimator=gae",
+def test_device_mapping_gives_roles_worker_groups():
+    from hpc_verl.trainer.topology import topology
+    cfg = load_config(None, ["trainer.n_gpus_per_node=8", "trainer.nnodes=2", "algorithm.adv_estimator=gae",
                              "hpc_verl.device_mapping={actor: [0,1,2,3], rollout: '4,5,6,7', critic: [0,1,2,3], "
-                             "ref: [4,5,6,7]}"])
-    res = role_resources(cfg, roles_for(cfg))
-    # actor+critic share 4 GPUs -> 2 each; rollout+ref share the other 4 -> 2 each; rule reward on CPU
-    assert res["actor"] == {"GPU": 2.0} and res["critic"] == {"GPU": 2.0}
-    assert res["reward"] == {}
+                             "ref: [4,5,6,7]}", "actor_rollout_ref.actor.use_kl_loss=true"])
+    topo = topology(cfg)
+    # same ids share one process per GPU; disjoint ids are separate groups; 4 GPUs x 2 nodes each
+    assert {n: g.roles for n, g in topo.groups.items()} == {"actor": ("actor", "critic"), "rollout": ("rollout", "ref")}
+    assert all(g.world_size == 8 and g.ranks_per_node == 4 and g.resources == {"GPU": 1.0}
+               for g in topo.groups.values())
+    assert topo.group_of("reward") is None and topo.rollout_replicas == 8   # the rule reward takes no GPU
     assert cfg.hpc_verl.device_mapping["rollout"] == [4, 5, 6, 7]
-    # the default (no mapping): every role shares all 8 GPUs (hybrid engine)
-    cfg = load_config(None, ["trainer.n_gpus_per_node=2", "algorithm.adv_estimator=gae"])
-    res = role_resources(cfg, roles_for(cfg))
-    assert res["actor"] == {"GPU": 0.6667} and res["rollout"] == res["critic"]
-    assert role_resources(load_config(None, ["trainer.device=cpu"]), ("actor",)) == {"actor": {}}
+    # the default (no mapping): every role shares all GPUs, one process each (hybrid engine)
+    topo = topology(load_config(None, ["trainer.n_gpus_per_node=2", "algorithm.adv_estimator=gae"]))
+    assert list(topo.groups) == ["hybrid"] and topo.groups["hybrid"].roles == ("actor", "rollout", "critic")
+    assert topo.groups["hybrid"].world_size == 2
+    # on CPU n_gpus_per_node counts ranks (0, what a CPU-only allocation derives, is one)
+    cpu = topology(load_config(None, ["trainer.device=cpu", "trainer.n_gpus_per_node=0"]))
+    assert cpu.groups["hybrid"].world_size == 1 and cpu.groups["hybrid"].resources == {"CPU": 1.0}
+    with pytest.raises(ConfigError, match=r"actor \[0, 1, 2\] and rollout \[2, 3\] overlap on \[2\]"):
+        topology(load_config(None, ["trainer.n_gpus_per_node=4", "hpc_verl.device_mapping={actor: [0,1,2], "
+                                    "rollout: [2,3]}"]))
+    with pytest.raises(ConfigError, match="tensor parallelism needs rollout.name=vllm"):
+        topology(load_config(None, ["actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    # vLLM: rollout replicas = rollout GPUs / TP, each replica process holds TP GPUs
+    topo = topology(load_config(None, ["hpc_verl.device_mapping={actor: [0,1,2,3], rollout: [4,5,6,7]}",
+                                       "actor_rollout_ref.rollout.name=vllm",
+                                       "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    assert topo.rollout_replicas == 2 and topo.groups["rollout"].resources == {"GPU": 2.0}
 
 
 def test_cli_train_unknown_key_one_line(cli):

@@ -35,9 +35,10 @@ def _cfg(tiny_model, digits_data, tmp_path, *extra):
 
 
 def test_rollout_generates_masked_responses_and_syncs_versions(tiny_model, digits_data, tmp_path):
+    from hpc_verl.trainer import rollout as R
     from hpc_verl.trainer import workers as W
     cfg = _cfg(tiny_model, digits_data, tmp_path, "data.max_response_length=6")
-    roll = W.RolloutWorker(cfg)
+    roll = R.RolloutWorker(cfg)
     actor = W.ActorWorker(cfg)
     prompts = [[5, 9, 10, 7, 6], [5, 9, 10, 11, 12, 13, 7, 6]]
     out = roll.generate({"prompt_ids": prompts}, required_version=0)
@@ -53,40 +54,44 @@ def test_rollout_generates_masked_responses_and_syncs_versions(tiny_model, digit
             assert m.all()
     # sampled tokens recomputed by the actor with the same weights: finite log-probs, greedy = argmax
     greedy = roll.generate({"prompt_ids": prompts}, greedy=True)
-    lp = actor.compute_log_prob(greedy)["old_log_prob"]
+    lp = actor.compute_log_prob(greedy)[0]["old_log_prob"]
     assert torch.isfinite(lp).all()
+    # the sampler is seeded by (seed, step, first row): the same draw whatever replica layout
+    a = roll.generate({"prompt_ids": prompts, "step": 3}, first_row=8)
+    b = roll.generate({"prompt_ids": prompts, "step": 3}, first_row=8)
+    assert torch.equal(a["responses"], b["responses"])
     # weight sync: versions move forward only; a stale rollout refuses to generate
-    with pytest.raises(W.StalePolicyError):
+    with pytest.raises(R.StalePolicyError):
         roll.generate({"prompt_ids": prompts}, required_version=1)
     with torch.no_grad():
         for p in actor.model.parameters():
             p.add_(0.5)
     actor.version = 1
-    weights, version = actor.get_weights()
-    assert roll.load_weights(weights, version) == 1
-    key = next(iter(weights))
-    assert torch.equal(roll.model.state_dict()[key], weights[key])
+    assert roll.load_tensors(actor.export_tensors(), 1) == 1   # streamed (name, tensor) pairs
+    for name, t in actor.model.module.named_parameters():
+        assert torch.equal(dict(roll.model.named_parameters())[name], t), name
     roll.generate({"prompt_ids": prompts}, required_version=1)
-    with pytest.raises(W.StalePolicyError):
-        roll.load_weights(weights, 0)
+    with pytest.raises(R.StalePolicyError):
+        roll.load_tensors(actor.export_tensors(), 0)
 
 
 def test_actor_update_accumulates_micro_batches_like_one_batch(tiny_model, digits_data, tmp_path):
     """Grad accumulation over micro-batches gives the same update as the whole mini-batch at once."""
+    from hpc_verl.trainer import rollout as R
     from hpc_verl.trainer import workers as W
     base = ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=2",
             "data.train_batch_size=16", "actor_rollout_ref.actor.grad_clip=1000",
             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
     cfg_one = _cfg(tiny_model, digits_data, tmp_path, *base)
     cfg_micro = _cfg(tiny_model, digits_data, tmp_path, *base, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
-    roll = W.RolloutWorker(cfg_one)
+    roll = R.RolloutWorker(cfg_one)
     batch = roll.generate({"prompt_ids": [[5, 9 + i % 10, 10, 7, 6] for i in range(32)]})
     a1, a2 = W.ActorWorker(cfg_one), W.ActorWorker(cfg_micro)
-    batch.update(a1.compute_log_prob(batch))
+    batch.update(a1.compute_log_prob(batch)[0])
     batch["advantages"] = torch.randn(32, 1).expand(-1, batch["responses"].shape[1]) * batch["response_mask"]
     m1, m2 = a1.update_policy(dict(batch)), a2.update_policy(dict(batch))
     assert m1["actor/grad_norm"] == pytest.approx(m2["actor/grad_norm"], rel=1e-4)
-    for (k, p1), p2 in zip(a1.model.named_parameters(), a2.model.parameters()):
+    for (k, p1), p2 in zip(a1.model.module.named_parameters(), a2.model.parameters()):
         assert torch.allclose(p1, p2, atol=1e-6), k
     # and the update changed the policy
     a3 = W.ActorWorker(cfg_one)
@@ -104,7 +109,7 @@ def test_vllm_rollout_without_vllm_is_one_clear_error(tiny_model, digits_data, t
     import importlib.util
 
     from hpc_verl.errors import HpcVerlError
-    from hpc_verl.trainer import workers as W
+    from hpc_verl.trainer import rollout as W
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     cfg = _cfg(tiny_model, digits_data, tmp_path, "actor_rollout_ref.rollout.name=vllm")

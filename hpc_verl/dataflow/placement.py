@@ -288,7 +288,7 @@ def _place_unit(graph: DataflowGraph, members: list[str], u: int, states: list[_
     procs: dict[str, Node] = {}
     for n in members:
         procs.setdefault(process_key(graph.nodes[n], u), graph.nodes[n])
-    demands = [_demand(node) for node in procs.values()]
+    demands = _with_sliver([_demand(node) for node in procs.values()])
     groups = sorted({graph.nodes[n].group.name for n in members if graph.nodes[n].group is not None})
     for st in states:
         if any(_cap_reached(graph.groups()[g], st) for g in groups):
@@ -331,6 +331,16 @@ def _place_unit(graph: DataflowGraph, members: list[str], u: int, states: list[_
         cap = f" at most {node.group.ranks_per_node} rank(s) per node;"
     raise DataflowError(f"cannot place {what} ({_fmt(_demand(node))}):{cap} the cluster has no free room "
                         f"left ({free}); lower parallelism or resources, or add nodes")
+
+
+def _with_sliver(demands: list[dict[str, float]]) -> list[dict[str, float]]:
+    """A bundle takes at least MIN_BUNDLE_CPU (see unit_resources): count it while planning too,
+    or CPU-free instances would over-fill a node's CPUs."""
+    if sum(d.get("CPU", 0.0) for d in demands) >= MIN_BUNDLE_CPU:
+        return demands
+    first = dict(demands[0])
+    first["CPU"] = first.get("CPU", 0.0) + MIN_BUNDLE_CPU
+    return [first, *demands[1:]]
 
 
 def _cap_reached(group: Any, st: _NodeState) -> bool:
@@ -406,7 +416,7 @@ def place_extra(graph: DataflowGraph, node_name: str, index: int, cluster: list[
                                              if cn.node_id in prefer_nodes else 0))
     for cn in ranked:
         st = _NodeState(cn)
-        ids = st.try_alloc([node.resources])
+        ids = st.try_alloc(_with_sliver([node.resources]))
         if ids is None:
             continue
         iid = f"{node_name}_{index}"
