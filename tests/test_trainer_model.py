@@ -56,6 +56,10 @@ def test_rollout_generates_masked_responses_and_syncs_versions(tiny_model, digit
     greedy = roll.generate({"prompt_ids": prompts}, greedy=True)
     lp = actor.compute_log_prob(greedy)[0]["old_log_prob"]
     assert torch.isfinite(lp).all()
+    # rollout.ignore_eos: every response runs to max_response_length (the benchmarks' fixed work)
+    forced = R.RolloutWorker(_cfg(tiny_model, digits_data, tmp_path, "data.max_response_length=6",
+                                  "actor_rollout_ref.rollout.ignore_eos=true"))
+    assert forced.generate({"prompt_ids": prompts})["response_mask"].sum().item() == 2 * 6
     # the sampler is seeded by (seed, step, first row): the same draw whatever replica layout
     a = roll.generate({"prompt_ids": prompts, "step": 3}, first_row=8)
     b = roll.generate({"prompt_ids": prompts, "step": 3}, first_row=8)

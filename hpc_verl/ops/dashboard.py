@@ -97,14 +97,19 @@ def render(snapshots: list[dict[str, Any]]) -> Any:
     parts: list[Any] = []
     for snap in snapshots:
         nodes = Table(title="nodes", expand=True)
-        for col in ("node", "par", "workers (ray node: GPUs)", "queue", "items/s", "processed", "ulysses"):
+        for col in ("node", "dispatch", "world", "workers (rank@ray node: GPUs, rows)", "queue", "items/s",
+                    "items/rows", "ulysses"):
             nodes.add_column(col)
         for name, n in snap.get("nodes", {}).items():
-            workers = ", ".join(f"{w['id']}@{w.get('ray_node', '?')}:{','.join(w.get('gpu_ids') or []) or '-'}"
-                                for w in n.get("workers", []))
+            workers = ", ".join(
+                f"{w['id'] if w.get('rank') is None else 'r' + str(w['rank'])}@{w.get('ray_node', '?')}:"
+                f"{','.join(w.get('gpu_ids') or []) or '-'} ({w.get('rows', 0)})" for w in n.get("workers", []))
             uly = "-" if n.get("ulysses") is None else ("on" if n["ulysses"] else "off")
-            nodes.add_row(name, str(n.get("parallelism")), workers, str(n.get("queue_length")),
-                          f"{n.get('items_per_s', 0):.1f}", str(n.get("processed")), uly)
+            world = str(n.get("world_size", n.get("parallelism")))
+            if n.get("group"):
+                world += f" ({n['group']}{', ' + n['dist_backend'] if n.get('dist_backend') else ''})"
+            nodes.add_row(name, str(n.get("dispatch", "route")), world, workers, str(n.get("queue_length")),
+                          f"{n.get('items_per_s', 0):.1f}", f"{n.get('processed')}/{n.get('rows', '-')}", uly)
         heat = Table(title="GPU memory (used/total)", expand=True)
         heat.add_column("ray node")
         by_node: dict[str, list[tuple[str, dict]]] = {}
@@ -132,6 +137,8 @@ def render(snapshots: list[dict[str, Any]]) -> Any:
             if e.get("control"):
                 ver = "none yet" if e.get("version") is None else f"v{e['version']}"
                 ver += f" (stale rejected {e.get('stale_rejected', 0)})"
+                if e.get("transfer"):
+                    ver += f", {e['transfer']['mode']} {1000 * e['transfer']['seconds']:.1f} ms"
             edges.add_row(key, kind, qs, lat, str(e.get("items")), ver)
         log = Text("\n".join(snap.get("decisions", [])[-12:]) or "(no decisions yet)")
         age = time.time() - float(snap.get("time", time.time()))

@@ -81,10 +81,12 @@ class RolloutWorker:
         t0 = time.perf_counter()
         responses, sample_log_prob = self._sample(ids, attn, eos, pad, gen, greedy=greedy or not rcfg["do_sample"])
         gen_s = time.perf_counter() - t0
-        # response mask: tokens up to and including the first EOS
-        is_eos = responses == eos
-        after_eos = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
-        resp_mask = (after_eos == 0).long()
+        if rcfg["ignore_eos"]:   # every response is max_response_length tokens long
+            resp_mask = torch.ones_like(responses)
+        else:  # response mask: tokens up to and including the first EOS
+            is_eos = responses == eos
+            after_eos = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()
+            resp_mask = (after_eos == 0).long()
         full_ids = torch.cat([ids, responses], dim=1)
         full_attn = torch.cat([attn, resp_mask], dim=1)
         position_ids = (torch.cumsum(full_attn, dim=1) - 1).clamp(min=0)
@@ -110,6 +112,7 @@ class RolloutWorker:
         out_logp = torch.zeros((bsz, self.response_length), dtype=torch.float32)
         temp = 1.0 if greedy else max(float(temperature), 1e-6)
         finished = torch.zeros(bsz, dtype=torch.bool)
+        stop_at_eos = not rcfg["ignore_eos"]
         attn_d = attn.to(dev)
         pos = (attn_d.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
@@ -125,7 +128,8 @@ class RolloutWorker:
                 nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
                 out_tokens[:, t] = nxt
                 out_logp[:, t] = A.log_probs_from_logits(logits.cpu() / temp, nxt)
-                finished |= nxt == eos
+                if stop_at_eos:
+                    finished |= nxt == eos
                 if bool(finished.all()) or t == self.response_length - 1:
                     break
                 attn_d = torch.cat([attn_d, torch.ones((bsz, 1), dtype=attn_d.dtype, device=dev)], dim=1)
@@ -195,7 +199,8 @@ class VLLMRolloutWorker(RolloutWorker):
         from vllm import SamplingParams
         rcfg = self.cfg["actor_rollout_ref"]["rollout"]
         params = SamplingParams(temperature=0.0 if greedy else rcfg["temperature"],
-                                top_k=rcfg["top_k"], top_p=rcfg["top_p"], max_tokens=self.response_length)
+                                top_k=rcfg["top_k"], top_p=rcfg["top_p"], max_tokens=self.response_length,
+                                ignore_eos=bool(rcfg["ignore_eos"]))
         prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, attn)]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens = torch.full((len(prompts), self.response_length), pad, dtype=torch.long)

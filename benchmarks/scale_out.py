@@ -1,0 +1,302 @@
+"""Scale-out of the built-in trainer on CPU: W=1 against W=2 data-parallel ranks, and the cost
+of the actor -> rollout weight sync against model size.
+
+Throughput: the same PPO job (GRPO on the digit task, responses forced to
+``--response-length`` tokens with rollout.ignore_eos, the same global batch and
+mini-batches) at W=1 with ``--threads`` torch threads and at W=2 with
+``--threads / 2`` each, so both sides use the same total CPU threads. Each run is a
+fresh ``hpc-verl train`` process; sides alternate, ``--repeats`` runs each; a run's
+figure is the median samples/s over its steps after ``--warmup``; the table shows
+the median and spread over runs. The trainer's own counters (sequences through a
+forward and a backward, optimizer steps, generated tokens) are printed per side and
+a ratio is refused if they differ.
+
+Weight sync: the real transports of the runtime (``send_control(TENSORS)``) for
+models of ``--sync-hidden`` sizes: colocated (actor and rollout in one process: an
+in-place copy) and separate groups (a bucketed gloo broadcast from the actor's rank
+0 to the rollout replica), each against its floor measured in the same run: one
+memcpy of the same bytes, one gloo broadcast of one flat buffer of the same bytes.
+
+    .venv/bin/python benchmarks/scale_out.py --json scale_out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+COUNT_KEYS = ("perf/fwd_rows", "perf/bwd_rows", "perf/optim_steps", "perf/gen_tokens")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", metavar="FILE", help="write the figures as JSON (top-level 'ratio': W=2 over W=1)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per side (>= 3 for a median)")
+    p.add_argument("--steps", type=int, default=6, help="training steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of a run left out of its figure")
+    p.add_argument("--threads", type=int, default=2, help="total torch threads per side (W=2: half each)")
+    p.add_argument("--hidden", type=int, default=256, help="model hidden size (throughput)")
+    p.add_argument("--layers", type=int, default=4, help="model layers (throughput)")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (data.train_batch_size)")
+    p.add_argument("--group", type=int, default=8, help="responses per prompt (rollout.n)")
+    p.add_argument("--response-length", type=int, default=16, help="tokens per response (forced)")
+    p.add_argument("--sync-hidden", default="64,256,512", help="hidden sizes for the weight-sync sweep")
+    p.add_argument("--sync-repeats", type=int, default=5, help="syncs timed per size and mode")
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--skip-sync", action="store_true")
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.steps <= args.warmup or args.threads < 2 or args.threads % 2:
+        p.error("need --repeats >= 1, --steps > --warmup and an even --threads >= 2")
+    try:
+        args.sync_sizes = [int(x) for x in args.sync_hidden.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--sync-hidden {args.sync_hidden!r}: expected sizes like 64,256,512")
+    return args
+
+
+def _model(root: Path, hidden: int, layers: int) -> Path:
+    from hpc_verl.trainer.model import make_tiny_model, quiet_transformers
+    quiet_transformers()
+    out = root / f"model-h{hidden}-l{layers}"
+    if not out.exists():
+        make_tiny_model(out, hidden_size=hidden, num_layers=layers, num_heads=max(1, hidden // 64))
+    return out
+
+
+def _overrides(args: argparse.Namespace, model: Path, data: Path, run_dir: Path) -> list[str]:
+    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
+            "data.max_prompt_length=16", f"data.max_response_length={args.response_length}",
+            f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.group}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={max(1, args.prompts // 4)}",
+            "actor_rollout_ref.rollout.ignore_eos=true", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.strategy=ddp", "trainer.device=cpu",
+            f"trainer.total_training_steps={args.steps}", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+            f"hpc_verl.run_dir={run_dir}", "hpc_verl.progress=false"]
+
+
+def run_side(args: argparse.Namespace, world: int, model: Path, data: Path, work: Path, tag: str) -> dict[str, Any]:
+    """One fresh trainer process at ``world`` ranks; its per-step figures."""
+    run_dir = work / f"run-{tag}"
+    cmd = [sys.executable, "-m", "hpc_verl", "train", "--no-progress",
+           *_overrides(args, model, data, run_dir), f"trainer.n_gpus_per_node={world}",
+           f"hpc_verl.torch_threads={args.threads // world}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("RAY_ADDRESS", None)
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        raise SystemExit(f"scale_out: the W={world} run failed ({res.returncode}): {res.stderr.strip()[-600:]}")
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steady = recs[args.warmup:]
+    rates = [r["n_responses"] / r["timing_s/step"] for r in steady]
+    return {"world": world, "threads_per_rank": args.threads // world, "samples_per_s": statistics.median(rates),
+            "step_s": statistics.median(r["timing_s/step"] for r in steady),
+            "counts": {k: sum(int(r.get(k, 0)) for r in steady) for k in COUNT_KEYS}}
+
+
+def throughput(args: argparse.Namespace, work: Path, progress: Any) -> dict[str, Any]:
+    from hpc_verl.data.preprocess import preprocess_digits
+
+    model = _model(work, args.hidden, args.layers)
+    data = work / "digits"
+    if not data.exists():
+        preprocess_digits(data, n_train=256, n_test=16, seed=0)
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    task = progress.add_task("throughput runs", total=2 * args.repeats)
+    for r in range(args.repeats):
+        for world in ((1, 2) if r % 2 == 0 else (2, 1)):   # order alternated
+            runs[world].append(run_side(args, world, model, data, work, f"{r}-w{world}"))
+            progress.advance(task)
+    counts = {w: runs[w][0]["counts"] for w in runs}
+    equal = all(run["counts"] == counts[1] for w in runs for run in runs[w])
+    sides = {}
+    for w, rs in runs.items():
+        rates = [x["samples_per_s"] for x in rs]
+        sides[f"W={w}"] = {"samples_per_s_median": statistics.median(rates), "samples_per_s_runs": rates,
+                           "spread": max(rates) - min(rates), "threads_per_rank": rs[0]["threads_per_rank"],
+                           "counts": counts[w]}
+    ratio = sides["W=2"]["samples_per_s_median"] / sides["W=1"]["samples_per_s_median"] if equal else None
+    from hpc_verl.trainer.model import make_tiny_model  # noqa: F401  (model size for the record)
+    n_params = _param_count(model)
+    return {"ratio": ratio, "equal_work": equal, "sides": sides, "model": {"hidden": args.hidden,
+            "layers": args.layers, "params": n_params}, "batch": {"prompts": args.prompts, "group": args.group,
+            "response_tokens": args.response_length}, "steps_measured": args.steps - args.warmup}
+
+
+def _param_count(model: Path) -> int:
+    from transformers import AutoModelForCausalLM
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model)).parameters())
+
+
+def _sync_once(sched: Any, version: int) -> tuple[float, dict]:
+    from hpc_verl.dataflow import TENSORS
+    from hpc_verl.trainer.graph import POLICY_EDGE_KEY
+    t0 = time.perf_counter()
+    sched.send_control(POLICY_EDGE_KEY, TENSORS, version)
+    return time.perf_counter() - t0, dict(sched.board.transfers[POLICY_EDGE_KEY])
+
+
+def weight_sync(args: argparse.Namespace, work: Path, progress: Any) -> list[dict[str, Any]]:
+    import ray
+
+    from hpc_verl.trainer.config import load_config
+    from hpc_verl.trainer.graph import DataflowRunner
+
+    rows = []
+    task = progress.add_task("weight-sync sweep", total=2 * len(args.sync_sizes))
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        for hidden in args.sync_sizes:
+            model = _model(work, hidden, 2)
+            params = _param_count(model)
+            for mode, extra in (("colocated", ["trainer.n_gpus_per_node=1"]),
+                                ("separate", ["trainer.n_gpus_per_node=2",
+                                              "hpc_verl.device_mapping={actor: [0], rollout: [1]}"])):
+                cfg = load_config(None, [f"actor_rollout_ref.model.path={model}", "trainer.device=cpu",
+                                         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                                         f"hpc_verl.run_dir={work / ('sync-' + mode)}", "data.train_batch_size=2",
+                                         "actor_rollout_ref.actor.ppo_mini_batch_size=2", *extra]).to_dict()
+                runner = DataflowRunner()
+                runner.start(cfg, 1)
+                try:
+                    times, seen = [], {}
+                    for v in range(1, args.sync_repeats + 2):
+                        dt, seen = _sync_once(runner.sched, v)
+                        if v > 1:   # the first sync also builds the sync group
+                            times.append(dt)
+                finally:
+                    runner.shutdown()
+                nbytes = params * 4
+                rows.append({"hidden": hidden, "params": params, "bytes": nbytes, "mode": mode,
+                             "transport": seen.get("mode"), "sync_s_median": statistics.median(times),
+                             "sync_s_runs": times})
+                progress.advance(task)
+    finally:
+        ray.shutdown()
+    for row in rows:   # the floors, measured in this run for the same byte counts
+        row["floor"] = "memcpy" if row["mode"] == "colocated" else "gloo broadcast"
+        row["floor_s"] = (memcpy_floor(row["bytes"], args.sync_repeats) if row["mode"] == "colocated"
+                          else broadcast_floor(row["bytes"], args.sync_repeats))
+        row["over_floor"] = row["sync_s_median"] / row["floor_s"] if row["floor_s"] else None
+    return rows
+
+
+def memcpy_floor(nbytes: int, repeats: int) -> float:
+    import torch
+    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _bcast_worker(rank: int, port: int, nbytes: int, repeats: int, out: Any) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        pg.broadcast([buf], dist.BroadcastOptions()).wait()
+        times.append(time.perf_counter() - t0)
+    if rank == 1:
+        out.put(statistics.median(times[1:]))
+
+
+def broadcast_floor(nbytes: int, repeats: int) -> float:
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_bcast_worker, args=(r, port, nbytes, repeats, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    value = q.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    return value
+
+
+def report(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    tp = result.get("throughput")
+    if tp:
+        t = Table(title=f"Throughput, {tp['model']['params'] / 1e6:.1f}M-parameter model, "
+                        f"{tp['batch']['prompts']}x{tp['batch']['group']} responses of "
+                        f"{tp['batch']['response_tokens']} tokens, same total threads")
+        for col in ("side", "threads/rank", "samples/s (median)", "spread", "runs", "fwd rows", "bwd rows",
+                    "optim steps", "gen tokens"):
+            t.add_column(col)
+        for name, side in tp["sides"].items():
+            c = side["counts"]
+            t.add_row(name, str(side["threads_per_rank"]), f"{side['samples_per_s_median']:.1f}",
+                      f"{side['spread']:.1f}", ", ".join(f"{x:.1f}" for x in side["samples_per_s_runs"]),
+                      *(str(c[k]) for k in COUNT_KEYS))
+        console.print(t)
+        if tp["ratio"] is None:
+            console.print("[red]counts differ between the sides: no ratio (unequal work)[/red]")
+        else:
+            console.print(f"ratio W=2 / W=1 samples/s: [bold]{tp['ratio']:.2f}[/bold]")
+    rows = result.get("weight_sync")
+    if rows:
+        t = Table(title="Weight sync actor -> rollout (the runtime's transports) against their floors")
+        for col in ("hidden", "params", "MB", "mode", "transport", "sync ms", "floor", "floor ms", "x floor"):
+            t.add_column(col)
+        for r in rows:
+            t.add_row(str(r["hidden"]), f"{r['params'] / 1e6:.2f}M", f"{r['bytes'] / 2**20:.1f}", r["mode"],
+                      str(r["transport"]), f"{1000 * r['sync_s_median']:.1f}", r["floor"],
+                      f"{1000 * r['floor_s']:.2f}", f"{r['over_floor']:.1f}")
+        console.print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rich.progress import Progress
+
+    args = parse_args(argv)
+    result: dict[str, Any] = {"benchmark": "scale_out", "ratio": None,
+                              "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+                                          "python": platform.python_version()},
+                              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:]}
+    import torch
+    result["machine"]["torch"] = torch.__version__
+    with tempfile.TemporaryDirectory(prefix="hpcv-scale-") as tmp, Progress() as progress:
+        work = Path(tmp)
+        if not args.skip_throughput:
+            result["throughput"] = throughput(args, work, progress)
+            result["ratio"] = result["throughput"]["ratio"]
+        if not args.skip_sync:
+            result["weight_sync"] = weight_sync(args, work, progress)
+    result["machine"]["load_avg_end"] = os.getloadavg()
+    report(result)
+    if args.json:
+        from hpc_verl.util.fs import atomic_write_json
+        atomic_write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
