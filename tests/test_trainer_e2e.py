@@ -105,11 +105,15 @@ def test_kill_after_checkpoint_then_resume_and_preempt(tiny_model, digits_data, 
 
 
 @pytest.mark.learning
-def test_tiny_model_learns_digit_task_through_dataflow(tiny_model, digits_data, tmp_path):
-    """From random weights: mean reward < 0.2 at the start, >= 0.9 (5-step mean) within 150 iterations."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_tiny_model_learns_digit_task_through_dataflow(tiny_model, digits_data, tmp_path, world):
+    """From random weights: mean reward < 0.2 at the start, >= 0.9 (5-step mean) within 150 iterations,
+    with one rank and with two data-parallel ranks (two rollout replicas, a DDP actor)."""
     run_dir = tmp_path / "run"
     seed = int(os.environ.get("HPC_VERL_LEARNING_SEED", "1"))
-    args = digit_overrides(tiny_model, digits_data, run_dir, 150, (f"trainer.seed={seed}", "trainer.save_freq=-1"))
+    args = digit_overrides(tiny_model, digits_data, run_dir, 150, (f"trainer.seed={seed}", "trainer.save_freq=-1",
+                                                                     f"trainer.n_gpus_per_node={world}",
+                                                                     "actor_rollout_ref.actor.strategy=ddp"))
     log = tmp_path / "train.log"
     t0 = time.monotonic()
     proc = _start_train(args, log)
@@ -123,11 +127,14 @@ def test_tiny_model_learns_digit_task_through_dataflow(tiny_model, digits_data, 
     start = sum(rewards[:5]) / 5
     smooth = [sum(rewards[i - 5:i]) / 5 for i in range(5, len(rewards) + 1)]
     reached = next((i + 5 for i, v in enumerate(smooth) if v >= 0.9), None)
-    print(f"learning: seed {seed}, first-5 mean reward {start:.3f}, last-5 {smooth[-1]:.3f}, 0.9 reached at "
+    print(f"learning: W={world}, seed {seed}, first-5 mean reward {start:.3f}, last-5 {smooth[-1]:.3f}, 0.9 reached at "
           f"iteration {reached}, wall {time.monotonic() - t0:.0f}s")
     assert start < 0.2
     assert reached is not None and max(smooth) >= 0.9
     # the run leaves a checkpoint and a plot can be made from its metrics
-    assert (run_dir / "global_step_150" / "actor.pt").is_file()
+    assert (run_dir / "global_step_150" / "actor" / ".metadata").is_file()
+    if world == 2:
+        status = json.loads((run_dir / "dataflow_status.json").read_text())
+        assert [w["rows"] > 0 for w in status["nodes"]["actor_rollout"]["workers"]] == [True, True]
     from hpc_verl.trainer.metrics import plot_run
     assert plot_run(run_dir).stat().st_size > 1000
