@@ -31,12 +31,12 @@ def _vllm_only(key: str, default: Any) -> Refusal:
 
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("data.val_files", lambda v, c: v is not None,
-            "validation runs are not implemented by the built-in trainer yet; leave it null"),
-    Refusal("data.val_batch_size", lambda v, c: v is not None, "validation is not implemented yet; leave it null"),
+    # data.val_files / val_batch_size name the validation data, read only when validation runs (as in
+    # verl with test_freq=-1 and val_before_train=false); asking for validation runs is refused:
     Refusal("trainer.test_freq", lambda v, c: v is not None and v > 0,
-            "validation is not implemented yet; leave it at -1"),
-    Refusal("trainer.val_before_train", lambda v, c: bool(v), "validation is not implemented yet; leave it false"),
+            "validation runs are not implemented by the built-in trainer yet; leave it at -1"),
+    Refusal("trainer.val_before_train", lambda v, c: bool(v),
+            "validation runs are not implemented by the built-in trainer yet; leave it false"),
     Refusal("data.reward_fn_key", lambda v, c: v != "data_source",
             "rule rewards are chosen by the data_source field (the only one supported)"),
     Refusal("data.return_raw_chat", lambda v, c: v is not True,
