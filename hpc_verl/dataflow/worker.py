@@ -228,14 +228,8 @@ class DataflowWorker:
             data_type = h.edge_of.get(edge, edge)
             t0 = time.perf_counter()
             _context._CONTEXT = h.ctx
-            named = src.obj.export_tensors(data_type)
-            if self._stale(h, edge, version):  # the source's gathers are collective: still take part
-                for _ in named:
-                    pass
-                return {"applied": False}
-            h.obj.load_tensors(data_type, named, version)
-            self._set_version(h, edge, version)
-            return {"applied": True, "seconds": time.perf_counter() - t0}
+            # the source's gathers are collective: a stale destination still takes part
+            return self._install(h, edge, src.obj.export_tensors(data_type), version, t0)
 
     def sync_open(self, key: str, size: int, timeout_s: float) -> tuple[str, int]:
         """Sync rank 0 (a source rank 0): the store for a new sync group."""
@@ -287,17 +281,19 @@ class DataflowWorker:
             h = self.hosted[node]
             entry = self.sync[key]
             t0 = time.perf_counter()
-            data_type = h.edge_of.get(edge, edge)
             _context._CONTEXT = h.ctx
-            stale = self._stale(h, edge, version)
-            named = distgroup.recv_buckets(entry["pg"], entry["device"])
-            if stale:  # still take part in the broadcast, keep nothing
-                for _ in named:
-                    pass
-                return {"applied": False}
-            h.obj.load_tensors(data_type, named, version)
-            self._set_version(h, edge, version)
-            return {"applied": True, "seconds": time.perf_counter() - t0}
+            # a stale destination still takes part in the broadcast, and keeps nothing
+            return self._install(h, edge, distgroup.recv_buckets(entry["pg"], entry["device"]), version, t0)
+
+    def _install(self, h: _Hosted, edge: str, named: Any, version: int, t0: float) -> dict[str, Any]:
+        """Stream ``named`` into the destination, or drain it (stale): collectives must complete."""
+        if self._stale(h, edge, version):
+            for _ in named:
+                pass
+            return {"applied": False}
+        h.obj.load_tensors(h.edge_of.get(edge, edge), named, version)
+        self._set_version(h, edge, version)
+        return {"applied": True, "seconds": time.perf_counter() - t0}
 
     # ---- default group: items and calls -------------------------------------------
     def run(self, node: str, required: dict | None, *inputs: Any) -> tuple[float, list, Any]:

@@ -85,7 +85,6 @@ MICRO_BATCH_KEYS = (
     ("ref", "actor_rollout_ref.ref.log_prob_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
     ("actor", "actor_rollout_ref.rollout.log_prob_micro_batch_size",
      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
-    ("reward", "reward_model.micro_batch_size", "reward_model.micro_batch_size_per_gpu"),
 )
 
 
@@ -95,7 +94,7 @@ def derive_micro_batches(cfg: dict) -> None:
 
     topo = topology(cfg)
     for role, global_key, rank_key in MICRO_BATCH_KEYS:
-        g = get_path(cfg, global_key, None) if _has(cfg, global_key) else None
+        g = get_path(cfg, global_key)
         if g is None or get_path(cfg, rank_key) is not None:
             continue
         spec = topo.group_of(role)
@@ -106,11 +105,3 @@ def derive_micro_batches(cfg: dict) -> None:
         parent, leaf = rank_key.rsplit(".", 1)
         get_path(cfg, parent)[leaf] = g // world
 
-
-def _has(cfg: Mapping, dotted: str) -> bool:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False
-        node = node[part]
-    return True
