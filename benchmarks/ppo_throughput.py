@@ -56,7 +56,7 @@ def run_ours(model: Path, data: Path, tmp: Path, a: argparse.Namespace) -> dict:
             "tokens_per_s": sum(m["n_response_tokens"] for m in timed) / secs,
             "round_s_median": statistics.median(m["timing_s/step"] for m in timed),
             "wall_incl_startup_s": total,
-            "reward_last": timed[-1]["reward/mean"]}
+            "reward_last": timed[-1]["critic/score/mean"]}
 
 
 def run_trl(model: Path, data: Path, tmp: Path, a: argparse.Namespace) -> dict:

@@ -29,7 +29,7 @@ echo "== metrics summary"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 for r in rows:
-    print(f"step {r['step']}: reward {r.get('reward/mean', 0):.3f}  pg_loss {r.get('actor/pg_loss', 0):+.4f}  "
+    print(f"step {r['step']}: reward {r.get('critic/score/mean', 0):.3f}  pg_loss {r.get('actor/pg_loss', 0):+.4f}  "
           f"{r.get('perf/samples_per_s', 0):.1f} samples/s")
 PY
 echo "plot: $RUN_DIR/checkpoints/curves.png"

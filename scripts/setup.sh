@@ -31,7 +31,7 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
 # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
 "$PY" -c 'import torch' 2>/dev/null || "$PY" -m pip install -q "torch==${HPC_VERL_TORCH_VERSION:-2.13.0}"
-"$PY" -m pip install -q -e ".[train,verl,test]"
+"$PY" -m pip install -q -e ".[train,verl,test,tensorboard,wandb,mlflow]"
 # Upstream verl is used only for its config files (key validation); its own
 # dependency tree (vLLM, flash-attn, ...) is GPU-only, so it comes without deps.
 "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("verl") is None)' || "$PY" -m pip install -q --no-deps "verl==0.9.1"

@@ -152,7 +152,7 @@ def test_preprocess_module_entry_for_the_launcher(tmp_path, capsys):
 def test_plot_and_summary_from_metrics(cli, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    rows = [{"step": i, "reward/mean": i / 10, "kl/mean": 0.01 * i, "actor/pg_loss": -0.1 * i,
+    rows = [{"step": i, "critic/score/mean": i / 10, "actor/ppo_kl": 0.01 * i, "actor/pg_loss": -0.1 * i,
              "perf/tokens_per_s": 100.0 + i, "timing_s/step": 0.2} for i in range(1, 11)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = cli("plot", str(run))
@@ -167,4 +167,4 @@ def test_plot_and_summary_from_metrics(cli, tmp_path):
     buf = io.StringIO()
     summary_table(rows, run, file=buf)
     text = buf.getvalue()
-    assert "reward/mean" in text and "0.1" in text and "1" in text
+    assert "critic/score/mean" in text and "0.1" in text and "1" in text

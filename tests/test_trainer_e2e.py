@@ -122,7 +122,7 @@ def test_tiny_model_learns_digit_task_through_dataflow(tiny_model, digits_data, 
     finally:
         _kill_group(proc)
     assert rc == 0, log.read_text()[-3000:]
-    rewards = [r["reward/mean"] for r in _records(run_dir)]
+    rewards = [r["critic/score/mean"] for r in _records(run_dir)]
     assert len(rewards) == 150
     start = sum(rewards[:5]) / 5
     smooth = [sum(rewards[i - 5:i]) / 5 for i in range(5, len(rewards) + 1)]

@@ -30,9 +30,9 @@ def test_gae_critic_kl_graph_and_exact_restore(tiny_model, digits_data, tmp_path
     assert [m["step"] for m in h] == [1, 2, 3]
     assert [m["rollout/policy_version"] for m in h] == [0, 1, 2]  # each rollout used the latest policy
     assert all("critic/vf_loss" in m and "actor/kl_loss" in m for m in h)
-    assert h[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
-    assert abs(h[2]["kl/mean"]) > 1e-6  # moved away from the reference (the k1 estimate may be negative)
-    assert h[0]["kl/coef"] != h[2]["kl/coef"]  # adaptive controller moved
+    assert h[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    assert abs(h[2]["actor/reward_kl_penalty"]) > 1e-6  # moved away from the reference (the k1 estimate may be negative)
+    assert h[0]["actor/reward_kl_penalty_coeff"] != h[2]["actor/reward_kl_penalty_coeff"]  # adaptive controller moved
     # keep-last-2 rotation, latest pointer
     assert [s for s, _ in list_checkpoints(run)] == [2, 3]
     assert latest_checkpoint(run).name == "global_step_3"

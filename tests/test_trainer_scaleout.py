@@ -217,7 +217,6 @@ def test_live_resize_of_the_hybrid_group_between_steps(tiny_model, digits_data, 
     ("actor_rollout_ref.rollout.mode=async", "only the synchronous rollout"),
     ("actor_rollout_ref.model.use_remove_padding=true", "padding-free"),
     ("actor_rollout_ref.rollout.gpu_memory_utilization=0.8", "applies to the vLLM rollout only"),
-    ("trainer.logger=[console,wandb]", "only 'console'"),
     ("trainer.test_freq=5", "validation runs are not implemented"),
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "tensor parallelism needs rollout.name=vllm"),
 ])

@@ -15,8 +15,8 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
 
 # the curves worth a panel, in order; missing ones are skipped
-PLOT_KEYS = ("reward/mean", "kl/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy",
-             "response_length/mean", "perf/tokens_per_s", "actor/grad_norm")
+PLOT_KEYS = ("critic/score/mean", "actor/reward_kl_penalty", "actor/ppo_kl", "actor/pg_loss", "critic/vf_loss",
+             "actor/entropy", "response_length/mean", "perf/tokens_per_s", "actor/grad_norm")
 
 
 class MetricsLog:
@@ -90,7 +90,7 @@ class StepProgress:
     def update(self, step: int, m: dict) -> None:
         if not self.progress:
             return
-        parts = [f"reward {m.get('reward/mean', float('nan')):.3f}", f"kl {m.get('kl/mean', 0.0):.4f}",
+        parts = [f"score {m.get('critic/score/mean', float('nan')):.3f}", f"kl {m.get('actor/ppo_kl', 0.0):.4f}",
                  f"pg {m.get('actor/pg_loss', float('nan')):+.3f}"]
         if "critic/vf_loss" in m:
             parts.append(f"vf {m['critic/vf_loss']:.3f}")
@@ -112,12 +112,12 @@ def summary_table(rows: list[dict], run_dir: str | os.PathLike[str], file: Any =
     table = Table(title=f"PPO run summary ({run_dir})")
     for col in ("metric", "first", "last", "best"):
         table.add_column(col, justify="right" if col != "metric" else "left")
-    for key in ("reward/mean", "kl/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy",
-                "response_length/mean", "perf/samples_per_s", "perf/tokens_per_s", "timing_s/step"):
+    for key in ("critic/score/mean", "actor/reward_kl_penalty", "actor/ppo_kl", "actor/pg_loss", "critic/vf_loss",
+                "actor/entropy", "response_length/mean", "perf/samples_per_s", "perf/tokens_per_s", "timing_s/step"):
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         if not vals:
             continue
-        best = max(vals) if key.startswith(("reward", "perf")) else min(vals)
+        best = max(vals) if key.startswith(("critic/score", "perf")) else min(vals)
         table.add_row(key, f"{vals[0]:.4g}", f"{vals[-1]:.4g}", f"{best:.4g}")
     table.add_row("steps", str(rows[0].get("step")), str(rows[-1].get("step")), "")
     Console(file=file or sys.stderr).print(table)

@@ -120,12 +120,16 @@ class _AdvantageMixin:
         token_scores = A.scores_to_token_rewards(scores, mask)
         metrics: dict[str, float] = {}
         if algo["use_kl_in_reward"] and ref is not None:
+            coef = self.kl_ctrl.value   # the coefficient this batch was penalised with (before the update)
             rewards, kl = A.apply_kl_penalty(token_scores, batch["rollout_log_prob"], ref["ref_log_prob"], mask,
                                              self.kl_ctrl, algo["kl_penalty"])
-            metrics["kl/mean"] = kl
+            metrics["actor/reward_kl_penalty"] = kl
+            metrics["actor/reward_kl_penalty_coeff"] = coef
         else:
             rewards = token_scores
-        metrics["kl/coef"] = self.kl_ctrl.value
+        seq = (rewards * mask).sum(-1)
+        metrics.update({"critic/rewards/mean": float(seq.mean()), "critic/rewards/max": float(seq.max()),
+                        "critic/rewards/min": float(seq.min())})
         return rewards, metrics
 
     @staticmethod
@@ -231,9 +235,6 @@ class ActorNode:
             batch.update(lp)
             own_rows = batch["responses"].shape[0]
         metrics = dict(adv_src.get("metrics", {}))
-        if "ref_log_prob" in batch and "kl/mean" not in metrics:
-            metrics["kl/mean"] = float(A.masked_mean(
-                A.kl_penalty(batch["old_log_prob"], batch["ref_log_prob"], "kl"), mask, dim=-1).mean())
         step = int(batch.get("step", 0))
         if step > int(self.cfg["trainer"]["critic_warmup"]):
             update = self.worker.update_policy(batch, step=step)
@@ -244,10 +245,17 @@ class ActorNode:
                              batch.get("counts"))
         metrics.update(update)
         scores = adv_src["scores"]
-        metrics.update({
-            "reward/mean": float(scores.mean()), "reward/max": float(scores.max()), "reward/min": float(scores.min()),
-            "response_length/mean": float(mask.sum(-1).mean()),
-            "advantages/mean": float(A.masked_mean(batch["advantages"], mask)),
+        lengths = mask.sum(-1)
+        adv = batch["advantages"][mask.bool()]
+        metrics.update({   # verl's names (verl/trainer/ppo/metric_utils.py) for what we compute
+            "critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
+            "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
+            "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
+            "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
+            "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
             "rollout/policy_version": int(batch["policy_version"]),
             "n_responses": int(mask.shape[0]), "n_response_tokens": int(mask.sum()),
             "timing_s/gen": float(max(batch.get("gen_time_s", [0.0]))),

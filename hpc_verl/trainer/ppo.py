@@ -71,6 +71,7 @@ class PPOTrainer:
         t = cfg.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
         self.n = cfg.actor_rollout_ref.rollout.n
+        self.n_devices = max(1, topology(cfg).groups[topology(cfg).role_group["actor"]].world_size)
         self.step = 0
         self.version = 0
         random.seed(t.seed)
@@ -79,7 +80,9 @@ class PPOTrainer:
         from hpc_verl.trainer.graph import adv_node_name
 
         self.adv_node = adv_node_name(cfg)
-        self.progress_enabled = cfg.hpc_verl.progress if progress is None else progress
+        from hpc_verl.trainer.trackers import check_loggers
+        self.loggers = check_loggers(cfg.trainer.logger)   # an unknown or missing logger: before any training
+        self.progress_enabled = (cfg.hpc_verl.progress if progress is None else progress) and "console" in self.loggers
         self.preempt = PreemptionFlag()
         self.last_checkpoint: Path | None = None
         self.resumed_from: Path | None = None
@@ -176,11 +179,32 @@ class PPOTrainer:
         self.version = int(m.get("actor/policy_version", self.version))
         self.step += 1
         dt = time.perf_counter() - t0
-        m.update({"step": self.step, "epoch": self.sampler.epoch, "run/start_step": self.start_step, "policy_version": self.version,
-                  "data/first_index": batch["sample_index"][0], "timing_s/step": dt,
-                  "perf/samples_per_s": m.get("n_responses", 0) / dt,
-                  "perf/tokens_per_s": m.get("n_response_tokens", 0) / dt})
+        tokens = m.get("n_response_tokens", 0)
+        m.update({"step": self.step, "epoch": self.sampler.epoch, "training/global_step": self.step,
+                  "training/epoch": self.sampler.epoch, "run/start_step": self.start_step,
+                  "policy_version": self.version, "data/first_index": batch["sample_index"][0], "timing_s/step": dt,
+                  "perf/time_per_step": dt, "perf/total_num_tokens": tokens,
+                  "perf/throughput": tokens / dt / self.n_devices,   # verl: tokens/s per device
+                  "perf/samples_per_s": m.get("n_responses", 0) / dt, "perf/tokens_per_s": tokens / dt})
+        m.update(self._dataflow_metrics())
         return m
+
+    def _dataflow_metrics(self) -> dict:
+        """The runtime's own figures under dataflow/: edge latency p95, queue peaks, decisions."""
+        sched = self.scheduler
+        if sched is None:
+            return {}
+        status = sched.monitor.snapshot()
+        out: dict = {"dataflow/decisions": len(status["decisions"])}
+        for key, e in status["edges"].items():
+            name = key.replace("->", "_to_")
+            if e.get("latency_ms_p95") is not None:
+                out[f"dataflow/{name}/latency_p95_ms"] = e["latency_ms_p95"]
+            if not e["control"]:
+                out[f"dataflow/{name}/peak_queue"] = e["peak_queue_length"]
+            elif e.get("transfer"):
+                out[f"dataflow/{name}/sync_s"] = e["transfer"]["seconds"]
+        return out
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> int:
@@ -193,6 +217,7 @@ class PPOTrainer:
         self.preempt.install()
         progress = None
         metrics_log = None
+        tracking = None
         try:
             self.runner.start(self.cfg.to_dict(), self.total_steps)
             resume = self._resume_path()
@@ -200,11 +225,15 @@ class PPOTrainer:
                 self._restore(resume)
             self.start_step = self.step
             metrics_log = MetricsLog(self.run_dir, resume_step=self.step)
+            from hpc_verl.trainer.trackers import Tracking
+            tracking = Tracking(self.loggers, self.run_dir, self.cfg, resume_step=self.step,
+                                progress_bar=self.progress_enabled)
             progress = StepProgress(self.total_steps, self.step, self.progress_enabled)
             save_freq = self.cfg.trainer.save_freq
             while self.step < self.total_steps:
                 m = self.train_step()
                 metrics_log.write(m)
+                tracking.log(m, self.step)
                 self.history.append(m)
                 progress.update(self.step, m)
                 if save_freq and save_freq > 0 and self.step % save_freq == 0:
@@ -227,6 +256,8 @@ class PPOTrainer:
                 progress.close()
             if metrics_log:
                 metrics_log.close()
+            if tracking:
+                tracking.close()
             self.preempt.uninstall()
             if self.runner is not None:
                 self.runner.shutdown()

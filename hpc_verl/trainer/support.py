@@ -65,13 +65,13 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda v, c: v is not None and v != c["trainer"]["max_actor_ckpt_to_keep"],
             "actor and critic are saved in one global_step_N checkpoint, rotated by "
             "trainer.max_actor_ckpt_to_keep; leave it null or equal"),
-    Refusal("trainer.logger", lambda v, c: [x for x in (v if isinstance(v, list) else [v]) if x != "console"],
-            "only 'console' (plus metrics.jsonl in the run dir, always) is implemented yet"),
 )
 
 
 def refuse_unsupported(cfg: Mapping) -> None:
     """Raise one ConfigError line for the first value the trainer cannot honour."""
+    from hpc_verl.trainer.trackers import check_logger_names
+    check_logger_names(get_path(cfg, "trainer.logger"))
     for rule in REFUSALS:
         value = get_path(cfg, rule.key)
         if rule.bad(value, cfg):
