@@ -85,12 +85,14 @@ def _overrides(args: argparse.Namespace, model: Path, data: Path, run_dir: Path)
             f"hpc_verl.run_dir={run_dir}", "hpc_verl.progress=false"]
 
 
-def run_side(args: argparse.Namespace, world: int, model: Path, data: Path, work: Path, tag: str) -> dict[str, Any]:
-    """One fresh trainer process at ``world`` ranks; its per-step figures."""
+def run_side(args: argparse.Namespace, world: int, model: Path, data: Path, work: Path, tag: str,
+             threads: int | None = None) -> dict[str, Any]:
+    """One fresh trainer process at ``world`` ranks of ``threads`` torch threads each; its per-step figures."""
     run_dir = work / f"run-{tag}"
+    threads = threads or args.threads // world
     cmd = [sys.executable, "-m", "hpc_verl", "train", "--no-progress",
            *_overrides(args, model, data, run_dir), f"trainer.n_gpus_per_node={world}",
-           f"hpc_verl.torch_threads={args.threads // world}"]
+           f"hpc_verl.torch_threads={threads}"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("RAY_ADDRESS", None)
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
@@ -99,7 +101,7 @@ def run_side(args: argparse.Namespace, world: int, model: Path, data: Path, work
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steady = recs[args.warmup:]
     rates = [r["n_responses"] / r["timing_s/step"] for r in steady]
-    return {"world": world, "threads_per_rank": args.threads // world, "samples_per_s": statistics.median(rates),
+    return {"world": world, "threads_per_rank": threads, "samples_per_s": statistics.median(rates),
             "step_s": statistics.median(r["timing_s/step"] for r in steady),
             "counts": {k: sum(int(r.get(k, 0)) for r in steady) for k in COUNT_KEYS}}
 
@@ -111,20 +113,25 @@ def throughput(args: argparse.Namespace, work: Path, progress: Any) -> dict[str,
     data = work / "digits"
     if not data.exists():
         preprocess_digits(data, n_train=256, n_test=16, seed=0)
-    runs: dict[int, list[dict]] = {1: [], 2: []}
-    task = progress.add_task("throughput runs", total=2 * args.repeats)
+    # the two sides, and a labelled reference row: W=1 on one thread (is W=1 at --threads slower than
+    # on one? then its threads oversubscribe the machine, and the ratio says more about that than about DP)
+    names = {"W=1": (1, None), "W=2": (2, None), "W=1, 1 thread (reference)": (1, 1)}
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    task = progress.add_task("throughput runs", total=len(names) * args.repeats)
     for r in range(args.repeats):
-        for world in ((1, 2) if r % 2 == 0 else (2, 1)):   # order alternated
-            runs[world].append(run_side(args, world, model, data, work, f"{r}-w{world}"))
+        order = list(names) if r % 2 == 0 else list(reversed(names))   # order alternated
+        for name in order:
+            world, threads = names[name]
+            runs[name].append(run_side(args, world, model, data, work, f"{r}-{len(runs[name])}-w{world}", threads))
             progress.advance(task)
-    counts = {w: runs[w][0]["counts"] for w in runs}
-    equal = all(run["counts"] == counts[1] for w in runs for run in runs[w])
+    counts = {n: rs[0]["counts"] for n, rs in runs.items()}
+    equal = all(run["counts"] == counts["W=1"] for rs in runs.values() for run in rs)
     sides = {}
-    for w, rs in runs.items():
+    for n, rs in runs.items():
         rates = [x["samples_per_s"] for x in rs]
-        sides[f"W={w}"] = {"samples_per_s_median": statistics.median(rates), "samples_per_s_runs": rates,
-                           "spread": max(rates) - min(rates), "threads_per_rank": rs[0]["threads_per_rank"],
-                           "counts": counts[w]}
+        sides[n] = {"samples_per_s_median": statistics.median(rates), "samples_per_s_runs": rates,
+                    "spread": max(rates) - min(rates), "threads_per_rank": rs[0]["threads_per_rank"],
+                    "counts": counts[n]}
     ratio = sides["W=2"]["samples_per_s_median"] / sides["W=1"]["samples_per_s_median"] if equal else None
     from hpc_verl.trainer.model import make_tiny_model  # noqa: F401  (model size for the record)
     n_params = _param_count(model)
@@ -242,7 +249,7 @@ def report(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=150)
     tp = result.get("throughput")
     if tp:
         t = Table(title=f"Throughput, {tp['model']['params'] / 1e6:.1f}M-parameter model, "
