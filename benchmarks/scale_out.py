@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (data.train_batch_size)")
     p.add_argument("--group", type=int, default=8, help="responses per prompt (rollout.n)")
     p.add_argument("--response-length", type=int, default=16, help="tokens per response (forced)")
-    p.add_argument("--sync-hidden", default="64,256,512", help="hidden sizes for the weight-sync sweep")
+    p.add_argument("--sync-hidden", default="64,256,1024", help="hidden sizes for the weight-sync sweep (2 layers)")
     p.add_argument("--sync-repeats", type=int, default=5, help="syncs timed per size and mode")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-sync", action="store_true")
