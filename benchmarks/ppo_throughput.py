@@ -129,7 +129,7 @@ def main() -> int:
     if a.warmup < 1:
         p.error("--warmup must be >= 1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from hpc_verl.trainer.ppo import _quiet_transformers
+    from hpc_verl.trainer.model import _quiet_transformers
     _quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="hpc_verl_bench_") as d:
         tmp = Path(d)

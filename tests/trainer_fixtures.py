@@ -10,7 +10,7 @@ import pytest
 def tiny_model(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
     from hpc_verl.trainer.model import make_tiny_model
-    from hpc_verl.trainer.ppo import _quiet_transformers
+    from hpc_verl.trainer.model import _quiet_transformers
     _quiet_transformers()
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", hidden_size=64, num_layers=2, num_heads=4)
 

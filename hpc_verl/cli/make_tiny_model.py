@@ -21,7 +21,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--hidden-size ({args.hidden_size}) must be a positive multiple of --heads ({args.heads}), "
                           "and --layers positive")
     from hpc_verl.trainer.model import make_tiny_model
-    from hpc_verl.trainer.ppo import _quiet_transformers
+    from hpc_verl.trainer.model import _quiet_transformers
     _quiet_transformers()
     out = make_tiny_model(args.out_dir, hidden_size=args.hidden_size, num_layers=args.layers,
                           num_heads=args.heads, seed=args.seed, overwrite=args.overwrite)

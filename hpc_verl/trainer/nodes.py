@@ -26,7 +26,7 @@ POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
 
 
 def _quiet() -> None:
-    from hpc_verl.trainer.ppo import _quiet_transformers
+    from hpc_verl.trainer.model import _quiet_transformers
     _quiet_transformers()
 
 

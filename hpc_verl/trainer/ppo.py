@@ -21,6 +21,7 @@ from hpc_verl.trainer.checkpoint import (REQUEUE_EXIT_CODE, PreemptionFlag, late
                                          save_checkpoint)
 from hpc_verl.trainer.config import Section, to_yaml, validate_for_run
 from hpc_verl.trainer.metrics import MetricsLog, StepProgress, summary_table
+from hpc_verl.trainer.model import _quiet_transformers
 
 log = logging.getLogger("hpc_verl.trainer")
 
@@ -37,18 +38,6 @@ class Runner(Protocol):
     def publish_policy(self, weights: dict, version: int) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-def _quiet_transformers() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import transformers
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except Exception:  # pragma: no cover
-        pass
 
 
 class PPOTrainer:
