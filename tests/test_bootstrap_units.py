@@ -65,6 +65,22 @@ def test_ray_start_args_pin_every_port():
     assert "--port=" not in " ".join(port_block(5).ray_start_args(head=False))
 
 
+def test_port_defaults_are_the_profile_schemas():
+    """A job without a profile value (bootstrap CLI defaults, port_block's) uses the schema's defaults."""
+    from hpc_verl.bootstrap.__main__ import _parser as build_parser
+    from hpc_verl.profiles.schema import RaySection
+
+    ray = RaySection()
+    assert port_block(7) == port_block(7, port_base=ray.port_base, port_stride=ray.port_stride,
+                                       port_slots=ray.port_slots)
+    for verb in (["plan", "--job-dir", "d"], ["ports", "--job-id", "7"]):
+        args = build_parser().parse_args(verb)
+        assert (args.port_base, args.port_stride, args.port_slots) == (ray.port_base, ray.port_stride,
+                                                                       ray.port_slots)
+    args = build_parser().parse_args(["plan", "--job-dir", "d"])
+    assert (args.temp_dir_root, args.timeout_s) == (ray.temp_dir_root, ray.readiness_timeout_s)
+
+
 def test_port_layout_errors():
     with pytest.raises(BootstrapError, match="port_stride"):
         port_block(1, port_stride=20, nodes_per_host=4)
