@@ -42,8 +42,8 @@ def test_quickstart_verl_job_is_valid(tmp_path):
     """The verl job file shown in the quick start passes the same validation as a submission."""
     import pytest
 
-    from hpc_verl.launch.jobconfig import load_job_config
-    from hpc_verl.launch.verl import validate_job_trainer
+    from hpc_verl.launch.spec.jobconfig import load_job_config
+    from hpc_verl.launch.spec.trainer_check import validate_job_trainer
     from hpc_verl.profiles import load_profile
     from hpc_verl.verl_upstream.config import find_verl
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hpc_verl.errors import ConfigError, RenderError
-from hpc_verl.launch.jobconfig import load_job_config
-from hpc_verl.launch.plan import build_plan, validate_script
-from hpc_verl.launch.render import environment, shquote
+from hpc_verl.launch.spec.jobconfig import load_job_config
+from hpc_verl.launch.spec.launch_plan import build_plan, validate_script
+from hpc_verl.launch.spec.render import environment, shquote
 
 HERE = Path(__file__).resolve().parent
 SHIPPED = ["eth-l40s", "ib-a100", "local", "mi300x-rocm", "pyxis-h100", "roce-h100", "testbed", "testbed-podman"]

@@ -184,7 +184,7 @@ def test_e_two_jobs_at_once_on_the_same_nodes(slurm_testbed, tmp_path):
 
 
 def test_f_preemption_checkpoint_requeue_resume(slurm_testbed, tmp_path):
-    from hpc_verl.launch import slurm
+    from hpc_verl.launch.backends import slurm
 
     bed = slurm_testbed
     job_id, job_dir = submit(bed, "testbed-local", job_yaml(tmp_path, "f", steps=30, step_s=0.5, prepare=True))

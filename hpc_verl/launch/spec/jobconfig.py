@@ -49,6 +49,50 @@ class ModelSpec:
 
 
 @dataclass
+class RayJobOptions:
+    """The job config's ``ray_job:`` section: used only when the job goes to a Ray cluster's Jobs
+    API (``--ray-address``/``--cluster``); what the runtime_env carries besides the profile's env."""
+
+    command: Optional[list[str]] = None  # replaces `python3 -m <trainer.module> <trainer.args>`
+    working_dir: Optional[str] = None
+    pip: list[str] = field(default_factory=list)
+    py_modules: list[str] = field(default_factory=list)
+    excludes: list[str] = field(default_factory=lambda: [".git", "__pycache__", "*.pyc"])
+    env_vars: dict[str, str] = field(default_factory=dict)
+    ship_hpc_verl: str = "auto"  # auto (when the driver is hpc_verl's own) | true | false
+    entrypoint_num_cpus: Optional[float] = None
+    entrypoint_num_gpus: Optional[float] = None
+
+    @classmethod
+    def from_mapping(cls, data: Optional[dict[str, Any]], where: str = "ray_job") -> "RayJobOptions":
+        data = dict(data or {})
+        valid = list(cls.__dataclass_fields__)
+        for key in data:
+            if key not in valid:
+                raise ConfigError(unknown_key_message(key, where, valid))
+        opts = cls(**data)
+        if opts.command is not None and (not isinstance(opts.command, list) or not opts.command
+                                         or not all(isinstance(c, str) and c for c in opts.command)):
+            raise ConfigError(f"{where}.command: expected a non-empty list of strings, got "
+                              f"{opts.command!r}; write command: [python3, train.py]")
+        for key in ("pip", "py_modules", "excludes"):
+            value = getattr(opts, key)
+            if isinstance(value, str) or not isinstance(value, list):
+                raise ConfigError(f"{where}.{key}: expected a list of strings, got {value!r}; "
+                                  f"write {key}: [a, b]")
+        if not isinstance(opts.env_vars, dict):
+            raise ConfigError(f"{where}.env_vars: expected a mapping NAME: value, got {opts.env_vars!r}")
+        opts.ship_hpc_verl = str(opts.ship_hpc_verl).lower()
+        if opts.ship_hpc_verl not in ("auto", "true", "false"):
+            raise ConfigError(f"{where}.ship_hpc_verl: '{opts.ship_hpc_verl}' is not auto, true or false")
+        return opts
+
+    def ships_hpc_verl(self, runs_hpc_verl: bool) -> bool:
+        """Send this hpc_verl as a py_module: ``true``, or ``auto`` when the driver is hpc_verl's own."""
+        return self.ship_hpc_verl == "true" or (self.ship_hpc_verl == "auto" and runs_hpc_verl)
+
+
+@dataclass
 class JobConfig:
     """What one job runs. Defaults give the built-in PPO trainer on gsm8k-style data."""
 
@@ -56,8 +100,7 @@ class JobConfig:
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     data: DataSpec = field(default_factory=DataSpec)
     model: ModelSpec = field(default_factory=ModelSpec)
-    # Only for Ray Jobs submission (--ray-address): checked by hpc_verl.launch.rayjobs_ops.RayJobOptions.
-    ray_job: dict[str, Any] = field(default_factory=dict)
+    ray_job: RayJobOptions = field(default_factory=RayJobOptions)
     source: str = "(built-in default job)"
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,10 +218,9 @@ def job_from_dict(data: dict[str, Any], where: str) -> JobConfig:
         if section in data:
             setattr(job, section, _build_section(cls, data[section], where, section))
     if data.get("ray_job") is not None:
-        from hpc_verl.launch.rayjobs_ops import RayJobOptions
-
-        RayJobOptions.from_mapping(data["ray_job"], f"job config {where}: ray_job")
-        job.ray_job = dict(data["ray_job"])
+        if not isinstance(data["ray_job"], dict):
+            raise _fail(where, "ray_job", f"must be a mapping, got {type(data['ray_job']).__name__}")
+        job.ray_job = RayJobOptions.from_mapping(data["ray_job"], f"job config {where}: ray_job")
     return job
 
 

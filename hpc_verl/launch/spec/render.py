@@ -23,9 +23,10 @@ import jinja2
 
 from hpc_verl._version import __version__
 from hpc_verl.errors import RenderError
-from hpc_verl.launch.jobconfig import JobConfig
+from hpc_verl.launch.spec.jobconfig import JobConfig
 from hpc_verl.profiles.schema import Profile, parse_size_bytes
 from hpc_verl.trainer.checkpoint import REQUEUE_EXIT_CODE
+from hpc_verl.util.package import PACKAGE_DIR
 
 STAGES = ("validate", "preprocess", "model-check", "ray-up", "train", "collect")
 SBATCH_TEMPLATE = "job.sbatch.j2"
@@ -33,9 +34,14 @@ _SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:/@%+=\[\]-]+$")
 REQUEUE_EXIT_VAR = "HPC_VERL_REQUEUE_EXIT_CODE"  # the variable trainer.checkpoint reads its code from
 
 
+def job_stages(hold: bool = False) -> tuple[str, ...]:
+    """The job's stages in order; a cluster job (``hold``) keeps Ray up where others train."""
+    return tuple("hold" if st == "train" else st for st in STAGES) if hold else STAGES
+
+
 def templates_dir() -> Path:
     """Templates shipped in the package (a link to the repo's templates/)."""
-    return Path(__file__).resolve().parent.parent / "templates"
+    return PACKAGE_DIR / "templates"
 
 
 def shquote(value: Any) -> str:
@@ -212,7 +218,7 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False) -> dict
         "version": __version__,
         "profile": profile,
         "job": job,
-        "stages": tuple("hold" if st == "train" else st for st in STAGES) if hold else STAGES,
+        "stages": job_stages(hold),
         "hold": hold,
         "slurm": profile.scheduler == "slurm",
         "sbatch_options": sbatch_options(profile, job) if profile.scheduler == "slurm" else [],
