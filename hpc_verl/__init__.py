@@ -27,7 +27,7 @@ _LAZY: dict[str, str] = {
     "check_ppo_arithmetic": "hpc_verl.util.batch_rules",
     "batch_problems": "hpc_verl.util.batch_rules",
     "run_doctor": "hpc_verl.ops.doctor",
-    "make_plan": "hpc_verl.ops.plan",
+    "make_plan": "hpc_verl.ops.scaling",
     "DataflowGraph": "hpc_verl.dataflow",
     "Node": "hpc_verl.dataflow",
     "Edge": "hpc_verl.dataflow",

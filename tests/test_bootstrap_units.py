@@ -10,7 +10,7 @@ import pytest
 from hpc_verl.bootstrap.barrier import Barrier, ClusterView, parse_pids
 from hpc_verl.bootstrap.hostlist import expand_hostlist
 from hpc_verl.bootstrap.netif import select_ip
-from hpc_verl.bootstrap.plan import node_slots, parse_node_hosts, write_node_state, write_plan
+from hpc_verl.bootstrap.raydir import node_slots, parse_node_hosts, write_node_state, write_plan
 from hpc_verl.bootstrap.ports import HEAD_FIXED, busy_ports, pick_node_ports, port_block
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util.fs import atomic_write_json

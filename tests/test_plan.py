@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.ops.plan import gpu_memory_for, make_plan, parse_model_size, verify_plan
+from hpc_verl.ops.scaling import gpu_memory_for, make_plan, parse_model_size, verify_plan
 from hpc_verl.profiles import load_profile
 from hpc_verl.verl_upstream import config as vconfig
 from hpc_verl.verl_upstream.command import Allocation, build_verl_command

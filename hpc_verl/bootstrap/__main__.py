@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "plan":
-        from hpc_verl.bootstrap.plan import write_plan
+        from hpc_verl.bootstrap.raydir import write_plan
 
         plan = write_plan(args.job_dir, args.job_id, args.nodelist, gpus_per_node=args.gpus_per_node,
                           num_cpus=args.num_cpus, port_base=args.port_base, port_stride=args.port_stride,
@@ -137,7 +137,7 @@ def _stop(job_dir: str, node: str | None) -> int:
     """Fallback teardown: TERM this node's supervisor (it stops its own tree), then KILL what is left."""
     from hpc_verl.bootstrap import procs
     from hpc_verl.bootstrap.node import this_node
-    from hpc_verl.bootstrap.plan import node_states
+    from hpc_verl.bootstrap.raydir import node_states
 
     node = node or this_node()
     st = node_states(job_dir).get(node, {})

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from hpc_verl.errors import SubmitError
 from hpc_verl.launch import backends, registry
 from hpc_verl.launch.backends.base import SubmitRequest
-from hpc_verl.launch.hold import cluster_info_path, read_cluster_info
+from hpc_verl.bootstrap.raydir import cluster_info_path, read_cluster_info
 
 
 class ClusterError(SubmitError):

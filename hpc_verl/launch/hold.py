@@ -4,7 +4,7 @@
 Ray Jobs API answers *with the job's token*, then writes ``ray/cluster.json``
 (address, token file, head, node count, Ray version) atomically. ``hpc-verl
 cluster up`` waits for that file, so "ready" means "a submission will work",
-not merely "a process started"; ``read_cluster_info`` is its one reader.
+not merely "a process started" (``bootstrap.raydir.read_cluster_info`` reads it).
 """
 from __future__ import annotations
 
@@ -18,23 +18,6 @@ from typing import Any
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.util.fs import atomic_write_json
 
-CLUSTER_FILE = "cluster.json"
-
-
-def cluster_info_path(run_dir: str | Path) -> Path:
-    """Where a cluster job's ``cluster.json`` is (its run directory's ``ray/``)."""
-    from hpc_verl.bootstrap.plan import ray_dir
-
-    return ray_dir(run_dir) / CLUSTER_FILE
-
-
-def read_cluster_info(run_dir: str | Path) -> dict[str, Any] | None:
-    """A cluster job's Ray Jobs address, token file, nodes and Ray version; None until it is ready."""
-    try:
-        return json.loads(cluster_info_path(run_dir).read_text())
-    except FileNotFoundError:
-        return None
-
 
 def jobs_address(head: dict[str, Any]) -> str:
     """The Jobs API URL clients should use: the head's advertised IP when the dashboard
@@ -46,7 +29,7 @@ def jobs_address(head: dict[str, Any]) -> str:
 
 
 def wait_ready(job_dir: Path, timeout_s: float) -> dict[str, Any]:
-    from hpc_verl.bootstrap.plan import ray_dir as job_ray_dir, token_path
+    from hpc_verl.bootstrap.raydir import cluster_info_path, ray_dir as job_ray_dir, token_path
     from hpc_verl.launch.backends import rayjobs_api as rayjobs
 
     ray_dir = job_ray_dir(job_dir)

@@ -147,7 +147,7 @@ class ScriptBackend(Backend):
 
     def jobs_api(self, record: JobRecord) -> tuple[str, str]:
         """A cluster job's Ray Jobs address and token file (``ray/cluster.json``), or why it has none yet."""
-        from hpc_verl.launch.hold import read_cluster_info
+        from hpc_verl.bootstrap.raydir import read_cluster_info
 
         info = read_cluster_info(record.run_dir or record.job_dir) if self.holds_clusters else None
         if info is None:
