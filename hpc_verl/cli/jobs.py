@@ -7,10 +7,10 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("list", help="jobs in the registry with their SLURM state")
+    p = sub.add_parser("list", help="jobs in the registry with their state (SLURM, local or Ray Jobs)")
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("status", help="state, nodes, Ray address and ports of a job")
-    p.add_argument("job", help="SLURM job id or job directory name")
+    p.add_argument("job", help="job id (SLURM id, local pid or Ray submission id) or job directory name")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("logs", help="print a job's logs")
