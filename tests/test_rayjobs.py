@@ -204,7 +204,7 @@ def test_backend_dry_run_and_options_validation(tmp_path, monkeypatch):
     assert f"request: {dry.record.job_dir}/ray_job.json" in str(dry)
     with pytest.raises(ConfigError, match="unknown key 'working_dri'.*did you mean 'working_dir'"):
         RayJobOptions.from_mapping({"working_dri": "."})
-    with pytest.raises(ConfigError, match="pip: expected a list"):
+    with pytest.raises(ConfigError, match="ray_job.pip must be a list"):
         RayJobOptions.from_mapping({"pip": "numpy"})
 
 

@@ -15,106 +15,36 @@ from typing import Any, Optional
 import yaml
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.util.suggest import unknown_key_message
+from hpc_verl.util.fields import Ctx, between, build, documented, matches, no_control, non_empty, path_value, spec
 from hpc_verl.util.yamlfile import read_yaml
 
 _JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # Hydra-style override keys: optional +/++/~ prefix, dotted identifiers (list indices allowed).
 _OVERRIDE_KEY_RE = re.compile(r"^(\+\+|\+|~)?[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+_module = matches(_MODULE_RE, "a Python module name like hpc_verl.trainer.main")
 
 
-@dataclass
-class TrainerSpec:
-    module: str = "hpc_verl.trainer.main"
-    args: list[str] = field(default_factory=list)
-    overrides: dict[str, Any] = field(default_factory=dict)
-    derive_overrides: bool = True
+def _job_name(v: str) -> Optional[str]:
+    return None if _JOB_NAME_RE.match(v) else f"must be letters, digits, '.', '_' or '-' (at most 64), got {v!r}"
 
 
-@dataclass
-class DataSpec:
-    raw: Optional[str] = None
-    dir: str = "data/gsm8k"
-    train_file: str = "train.parquet"
-    val_file: str = "test.parquet"
-    preprocess_module: str = "hpc_verl.data.preprocess"
-    preprocess_args: list[str] = field(default_factory=list)
+def _file_name(v: str) -> Optional[str]:
+    return path_value(v) or ("must be a file name inside data.dir" if "/" in v else None)
 
 
-@dataclass
-class ModelSpec:
-    path: Optional[str] = None
-    check: bool = True
+def _override_key(k: str) -> Optional[str]:
+    return None if _OVERRIDE_KEY_RE.match(k) else "is not a dotted key like trainer.total_epochs"
 
 
-@dataclass
-class RayJobOptions:
-    """The job config's ``ray_job:`` section: used only when the job goes to a Ray cluster's Jobs
-    API (``--ray-address``/``--cluster``); what the runtime_env carries besides the profile's env."""
-
-    command: Optional[list[str]] = None  # replaces `python3 -m <trainer.module> <trainer.args>`
-    working_dir: Optional[str] = None
-    pip: list[str] = field(default_factory=list)
-    py_modules: list[str] = field(default_factory=list)
-    excludes: list[str] = field(default_factory=lambda: [".git", "__pycache__", "*.pyc"])
-    env_vars: dict[str, str] = field(default_factory=dict)
-    ship_hpc_verl: str = "auto"  # auto (when the driver is hpc_verl's own) | true | false
-    entrypoint_num_cpus: Optional[float] = None
-    entrypoint_num_gpus: Optional[float] = None
-
-    @classmethod
-    def from_mapping(cls, data: Optional[dict[str, Any]], where: str = "ray_job") -> "RayJobOptions":
-        data = dict(data or {})
-        valid = list(cls.__dataclass_fields__)
-        for key in data:
-            if key not in valid:
-                raise ConfigError(unknown_key_message(key, where, valid))
-        opts = cls(**data)
-        if opts.command is not None and (not isinstance(opts.command, list) or not opts.command
-                                         or not all(isinstance(c, str) and c for c in opts.command)):
-            raise ConfigError(f"{where}.command: expected a non-empty list of strings, got "
-                              f"{opts.command!r}; write command: [python3, train.py]")
-        for key in ("pip", "py_modules", "excludes"):
-            value = getattr(opts, key)
-            if isinstance(value, str) or not isinstance(value, list):
-                raise ConfigError(f"{where}.{key}: expected a list of strings, got {value!r}; "
-                                  f"write {key}: [a, b]")
-        if not isinstance(opts.env_vars, dict):
-            raise ConfigError(f"{where}.env_vars: expected a mapping NAME: value, got {opts.env_vars!r}")
-        opts.ship_hpc_verl = str(opts.ship_hpc_verl).lower()
-        if opts.ship_hpc_verl not in ("auto", "true", "false"):
-            raise ConfigError(f"{where}.ship_hpc_verl: '{opts.ship_hpc_verl}' is not auto, true or false")
-        return opts
-
-    def ships_hpc_verl(self, runs_hpc_verl: bool) -> bool:
-        """Send this hpc_verl as a py_module: ``true``, or ``auto`` when the driver is hpc_verl's own."""
-        return self.ship_hpc_verl == "true" or (self.ship_hpc_verl == "auto" and runs_hpc_verl)
+def _override_value(v: Any) -> Optional[str]:
+    return no_control(format_override_value(v))
 
 
-@dataclass
-class JobConfig:
-    """What one job runs. Defaults give the built-in PPO trainer on gsm8k-style data."""
-
-    name: str = "hpcv"
-    trainer: TrainerSpec = field(default_factory=TrainerSpec)
-    data: DataSpec = field(default_factory=DataSpec)
-    model: ModelSpec = field(default_factory=ModelSpec)
-    ray_job: RayJobOptions = field(default_factory=RayJobOptions)
-    source: str = "(built-in default job)"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("source")
-        return d
-
-    def trainer_override_args(self) -> list[str]:
-        """``key=value`` tokens for the trainer command line, in file order."""
-        return [f"{k}={format_override_value(v)}" for k, v in self.trainer.overrides.items()]
-
-
-_SECTIONS = {"trainer": TrainerSpec, "data": DataSpec, "model": ModelSpec}
-_TOP_KEYS = ("name", "trainer", "data", "model", "ray_job")
+def _ship_mode(v: Any) -> Optional[str]:
+    return None if str(v).lower() in ("auto", "true", "false") else f"must be auto, true or false, got {v!r}"
 
 
 def format_override_value(value: Any) -> str:
@@ -128,99 +58,112 @@ def format_override_value(value: Any) -> str:
     return str(value)
 
 
-def _fail(where: str, key: str, problem: str) -> ConfigError:
-    return ConfigError(f"job config {where}: {key} {problem}")
+@dataclass
+class TrainerSpec:
+    """What the train stage runs."""
+
+    module: str = spec("hpc_verl.trainer.main", doc="`python -m MODULE` (`verl.trainer.main_ppo`: upstream verl)",
+                       check=_module)
+    args: list[str] = spec(default_factory=list, doc="extra arguments before the overrides", item_check=no_control)
+    overrides: dict[str, Any] = spec(default_factory=dict, doc="`key: value` -> `key=value` on the trainer command "
+                                     "line", key_check=_override_key, item_check=_override_value)
+    derive_overrides: bool = spec(True, doc="add trainer.nnodes, trainer.n_gpus_per_node, data.train_files, "
+                                  "data.val_files, trainer.default_local_dir and actor_rollout_ref.model.path "
+                                  "from the allocation and paths (unless the overrides set them)")
 
 
-def _no_control(where: str, key: str, value: str) -> None:
-    if "\n" in value or "\r" in value or "\x00" in value:
-        raise _fail(where, key, "must not contain newlines or NUL characters")
+@dataclass
+class DataSpec:
+    """The data the job preprocesses (once) and trains on."""
+
+    raw: Optional[str] = spec(None, doc="preprocessing input; unset = no preprocessing", check=path_value)
+    dir: str = spec("data/gsm8k", doc="preprocessed parquet directory", check=path_value)
+    train_file: str = spec("train.parquet", doc="training parquet file inside `dir`", check=_file_name)
+    val_file: str = spec("test.parquet", doc="validation parquet file inside `dir`", check=_file_name)
+    preprocess_module: str = spec("hpc_verl.data.preprocess", doc="run as `MODULE --input RAW --output DIR ARGS...`",
+                                  check=_module)
+    preprocess_args: list[str] = spec(default_factory=list, doc="extra preprocessing arguments", item_check=no_control)
 
 
-def _path_value(where: str, key: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise _fail(where, key, f"must be a non-empty path string, got {value!r}")
-    _no_control(where, key, value)
-    if value.startswith("~"):
-        raise _fail(where, key, "must be absolute or relative to the submit directory ('~' is not expanded)")
-    if ":" in value or "," in value:
-        raise _fail(where, key, "must not contain ':' or ',' (they separate container mount fields)")
-    return value
+@dataclass
+class ModelSpec:
+    """The model the job starts from."""
+
+    path: Optional[str] = spec(None, doc="local model directory (config, tokenizer, weights)", check=path_value)
+    check: bool = spec(True, doc="run the model-check stage (config and tokenizer load offline)")
 
 
-def _str_list(where: str, key: str, value: Any) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
-                                              for v in value):
-        raise _fail(where, key, f"must be a list of strings, got {value!r}")
-    out = [str(v) for v in value]
-    for v in out:
-        _no_control(where, key, v)
-    return out
+@dataclass
+class RayJobOptions:
+    """The job config's ``ray_job:`` section: used only when the job goes to a Ray cluster's Jobs
+    API (``--ray-address``/``--cluster``); what the runtime_env carries besides the profile's env."""
+
+    command: Optional[list[str]] = spec(None, doc="the driver command, replacing `python3 -m <trainer.module> "
+                                        "<trainer.args>`", check=lambda v: None if v else "must not be empty",
+                                        item_check=non_empty)
+    working_dir: Optional[str] = spec(None, doc="uploaded as the driver's working directory (relative to the job "
+                                      "config file)", check=non_empty)
+    pip: list[str] = spec(default_factory=list, doc="packages the cluster installs for the job",
+                          item_check=non_empty)
+    py_modules: list[str] = spec(default_factory=list, doc="local packages shipped to the cluster",
+                                 item_check=non_empty)
+    excludes: list[str] = spec(default_factory=lambda: [".git", "__pycache__", "*.pyc"],
+                               doc="files the working_dir upload leaves out", item_check=non_empty)
+    env_vars: dict[str, str] = spec(default_factory=dict, doc="more environment for the driver and its workers",
+                                    key_check=matches(_ENV_NAME_RE, "a variable name like WANDB_MODE"))
+    ship_hpc_verl: Any = spec("auto", doc="ship this hpc_verl as a py_module: `auto` (when the driver is "
+                              "hpc_verl's own), `true`, `false`", check=_ship_mode)
+    entrypoint_num_cpus: Optional[float] = spec(None, doc="CPUs reserved for the driver itself",
+                                                check=between(0, 1e6))
+    entrypoint_num_gpus: Optional[float] = spec(None, doc="GPUs reserved for the driver itself",
+                                                check=between(0, 1e6))
+
+    def __post_init__(self) -> None:
+        self.ship_hpc_verl = str(self.ship_hpc_verl).lower()  # YAML's true/false and "auto" alike
+
+    @classmethod
+    def from_mapping(cls, data: Optional[dict[str, Any]], where: str = "(in memory)") -> "RayJobOptions":
+        """The section from a mapping, checked like the rest of a job config from ``where``."""
+        return build(cls, dict(data or {}), _ctx(where), "ray_job.")
+
+    def ships_hpc_verl(self, runs_hpc_verl: bool) -> bool:
+        """Send this hpc_verl as a py_module: ``true``, or ``auto`` when the driver is hpc_verl's own."""
+        return self.ship_hpc_verl == "true" or (self.ship_hpc_verl == "auto" and runs_hpc_verl)
 
 
-def _check_override(where: str, key: str, value: Any) -> None:
-    if not _OVERRIDE_KEY_RE.match(key):
-        raise _fail(where, f"trainer override {key!r}", "is not a dotted key like trainer.total_epochs")
-    _no_control(where, f"trainer override {key}", format_override_value(value))
+@dataclass
+class JobConfig:
+    """What one job runs. Defaults give the built-in PPO trainer on gsm8k-style data."""
+
+    name: str = spec("hpcv", doc="the SLURM job name and run directory name", check=_job_name)
+    trainer: TrainerSpec = spec(default_factory=TrainerSpec, doc="what the train stage runs")
+    data: DataSpec = spec(default_factory=DataSpec, doc="data to preprocess and train on")
+    model: ModelSpec = spec(default_factory=ModelSpec, doc="the model to start from")
+    ray_job: RayJobOptions = spec(default_factory=RayJobOptions, doc="only for Ray Jobs submissions")
+    source: str = field(default="(built-in default job)", compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("source")
+        return d
+
+    def trainer_override_args(self) -> list[str]:
+        """``key=value`` tokens for the trainer command line, in file order."""
+        return [f"{k}={format_override_value(v)}" for k, v in self.trainer.overrides.items()]
 
 
-def _build_section(cls: type, data: Any, where: str, section: str) -> Any:
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise _fail(where, section, f"must be a mapping, got {type(data).__name__}")
-    valid = [f for f in cls.__dataclass_fields__]
-    for key in data:
-        if key not in valid:
-            raise ConfigError(f"job config {where}: " + unknown_key_message(str(key), f"section '{section}'", valid))
-    obj = cls()
-    for key, value in data.items():
-        dotted = f"{section}.{key}"
-        current = getattr(obj, key)
-        if key in ("raw", "dir", "path"):
-            value = None if (value is None and key != "dir") else _path_value(where, dotted, value)
-        elif key in ("module", "preprocess_module"):
-            if not isinstance(value, str) or not _MODULE_RE.match(value):
-                raise _fail(where, dotted, f"must be a Python module name like hpc_verl.trainer.main, got {value!r}")
-        elif key in ("train_file", "val_file"):
-            value = _path_value(where, dotted, value)
-            if value.startswith("/") or "/" in value:
-                raise _fail(where, dotted, "must be a file name inside data.dir")
-        elif isinstance(current, bool):
-            if not isinstance(value, bool):
-                raise _fail(where, dotted, f"must be true or false, got {value!r}")
-        elif isinstance(current, list):
-            value = _str_list(where, dotted, value)
-        elif isinstance(current, dict):
-            if not isinstance(value, dict):
-                raise _fail(where, dotted, f"must be a mapping of dotted keys to values, got {value!r}")
-            value = {str(k): v for k, v in value.items()}
-            for k, v in value.items():
-                _check_override(where, k, v)
-        setattr(obj, key, value)
-    return obj
+def _ctx(where: str) -> Ctx:
+    return Ctx(lambda _key: f"job config {where}", ConfigError)
 
 
 def job_from_dict(data: dict[str, Any], where: str) -> JobConfig:
     """Strictly typed JobConfig from a mapping (a YAML file's content)."""
     if not isinstance(data, dict):
-        raise ConfigError(f"job config {where}: must be a mapping with keys {', '.join(_TOP_KEYS)}")
-    for key in data:
-        if key not in _TOP_KEYS:
-            raise ConfigError(f"job config {where}: " + unknown_key_message(str(key), "top level", _TOP_KEYS))
-    job = JobConfig(source=where)
-    if "name" in data:
-        name = data["name"]
-        if not isinstance(name, str) or not _JOB_NAME_RE.match(name):
-            raise _fail(where, "name", f"must be letters, digits, '.', '_' or '-' (at most 64), got {name!r}")
-        job.name = name
-    for section, cls in _SECTIONS.items():
-        if section in data:
-            setattr(job, section, _build_section(cls, data[section], where, section))
-    if data.get("ray_job") is not None:
-        if not isinstance(data["ray_job"], dict):
-            raise _fail(where, "ray_job", f"must be a mapping, got {type(data['ray_job']).__name__}")
-        job.ray_job = RayJobOptions.from_mapping(data["ray_job"], f"job config {where}: ray_job")
+        names = ", ".join(f.name for f in documented(JobConfig))
+        raise ConfigError(f"job config {where}: must be a mapping with keys {names}")
+    sections = {"trainer", "data", "model", "ray_job"}
+    job = build(JobConfig, {k: v for k, v in data.items() if not (k in sections and v is None)}, _ctx(where))
+    job.source = where
     return job
 
 
@@ -235,6 +178,8 @@ def load_job_config(path: Optional[str], overrides: Optional[list[str]] = None) 
         if "=" not in text:
             raise ConfigError(f"override {text!r} must look like key=value (e.g. trainer.total_epochs=2)")
         key, value = text.split("=", 1)
-        _check_override("(command line)", key, value)
+        for problem in (_override_key(key), _override_value(value)):
+            if problem:
+                raise _ctx("(command line)").fail(f"trainer override {key!r}", problem)
         job.trainer.overrides[key] = value
     return job
