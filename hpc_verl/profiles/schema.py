@@ -58,26 +58,16 @@ def _size(v: str) -> Optional[str]:
 
 
 def _mount(v: str) -> Optional[str]:
-    bad = no_control(v)
-    if bad:
-        return bad
     parts = v.split(":")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-        return f"must be 'SRC:DST' or 'SRC:DST:ro|rw', got {v!r}"
-    for part in parts[:2]:
-        msg = path_value(part)
-        if msg:
-            return msg
-    if not parts[1].startswith("/"):
-        return f"destination must be an absolute path inside the container, got {parts[1]!r}"
-    return None
+    if no_control(v) or len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+        return no_control(v) or f"must be 'SRC:DST' or 'SRC:DST:ro|rw', got {v!r}"
+    return path_value(parts[0]) or path_value(parts[1]) or (
+        None if parts[1].startswith("/") else
+        f"destination must be an absolute path inside the container, got {parts[1]!r}")
 
 
 def _device(v: str) -> Optional[str]:
-    msg = abs_path(v)
-    if msg:
-        return msg
-    return None if v.startswith("/dev/") else f"must be a device path under /dev/, got {v!r}"
+    return abs_path(v) or (None if v.startswith("/dev/") else f"must be a device path under /dev/, got {v!r}")
 
 
 def _signal(v: str) -> Optional[str]:
