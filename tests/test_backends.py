@@ -28,7 +28,9 @@ def test_every_registered_backend_loads_under_its_name():
 
 
 def test_requests_go_to_the_backend_that_runs_them():
-    pick = lambda **kw: backends.for_request(SubmitRequest(**kw)).scheduler  # noqa: E731
+    def pick(**request: str) -> str:
+        return backends.for_request(SubmitRequest(**request)).scheduler
+
     assert pick(profile="ib-a100") == "slurm"
     assert pick(profile="local") == "local"
     assert pick(ray_address="http://head:8265") == "rayjob"
