@@ -86,7 +86,8 @@ def test_cli_dry_run_then_status_logs_cancel(cli, home):
     assert "DRY-RUN" in cli("list", env=home).stdout
     for verb, needle in (("logs", "was a dry run; it has no logs"), ("cancel", "was a dry run; nothing to cancel")):
         out = cli(verb, name, env=home)
-        assert out.returncode == 2 and needle in out.stderr and len(out.stderr.strip().splitlines()) == 1
+        assert out.returncode == 2 and f"job {name} {needle}" in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_cluster_and_address_together_are_refused(home):
@@ -98,3 +99,11 @@ def test_a_job_that_holds_no_cluster_is_refused_in_one_line(home):
     dry = backends.get("slurm").dryrun(SubmitRequest(profile="testbed", name="x"))
     with pytest.raises(HpcVerlError, match="is not a cluster job"):
         backends.get("rayjob").dryrun(SubmitRequest(cluster=dry.record.job_dir))
+
+
+def test_a_hostile_name_is_refused_before_anything_is_written(cli, home, tmp_path):
+    marker = tmp_path / "pwned"
+    for extra in (["--profile", "testbed"], ["--ray-address", "http://127.0.0.1:1"]):
+        res = cli("submit", *extra, "--dry-run", "--name", f"x; touch {marker}", env=home)
+        assert res.returncode == 2 and "--name must be letters, digits" in res.stderr, res.stderr
+        assert not marker.exists() and not list((tmp_path / "home").glob("jobs/*"))

@@ -24,6 +24,7 @@ import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional, Sequence, TextIO
 
 from hpc_verl.errors import JobNotFoundError, SubmitError
@@ -192,8 +193,11 @@ class Backend(ABC):
 
     # -------------------------------------------------------------- a registered job
     def ref(self, record: JobRecord) -> str:
-        """How the person names the job (`hpc-verl status REF`)."""
-        return str(record.job_id if record.job_id is not None else record.submission_id)
+        """How the person names the job (`hpc-verl status REF`): its id, else its directory's name."""
+        for ref in (record.job_id, record.submission_id):
+            if ref is not None:
+                return str(ref)
+        return Path(record.job_dir).name
 
     def describe(self, record: JobRecord) -> JobInfo:
         """The job's state now (a dry run's is DRY_RUN)."""

@@ -240,8 +240,7 @@ class RayJobsBackend(Backend):
             profile = load_profile(profile_name, list(request.sets))
         elif request.sets:
             raise ConfigError("--set changes a profile; give --profile NAME too")
-        job = load_job_config(request.config, list(request.overrides))
-        job.name = request.name or job.name
+        job = load_job_config(request.config, list(request.overrides)).rename(request.name)
         token_path = str(Path(token_file).expanduser().resolve()) if token_file else None
         job_dir = registry.new_job_dir(job.name)
         try:

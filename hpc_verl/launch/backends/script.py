@@ -68,9 +68,7 @@ class ScriptBackend(Backend):
 
         if not request.profile:
             raise ConfigError(f"the {self.scheduler} backend needs a profile (--profile NAME)")
-        job = self.job_config(request)
-        if request.name:
-            job.name = request.name
+        job = self.job_config(request).rename(request.name)
         first = _load_profile(request.profile, request.sets)
         if request.hold and (first.scheduler != self.runs_profiles or not self.holds_clusters):
             raise ConfigError(f"profile {first.name} uses scheduler '{first.scheduler}'; 'hpc-verl cluster up' "

@@ -147,6 +147,16 @@ class JobConfig:
         d.pop("source")
         return d
 
+    def rename(self, name: Optional[str]) -> "JobConfig":
+        """Take ``--name`` (when given), checked like the file's ``name``: it names the job directory
+        and goes into ``#SBATCH --job-name``."""
+        if name is not None:
+            problem = _job_name(name)
+            if problem:
+                raise ConfigError(f"--name {problem}")
+            self.name = name
+        return self
+
     def trainer_override_args(self) -> list[str]:
         """``key=value`` tokens for the trainer command line, in file order."""
         return [f"{k}={format_override_value(v)}" for k, v in self.trainer.overrides.items()]
