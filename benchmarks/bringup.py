@@ -75,7 +75,7 @@ kill -TERM "${{pids[@]}}" 2>/dev/null; wait
 
 
 def _wait_done(env: dict, job_id: int, timeout_s: float = 300) -> str:
-    from hpc_verl.launch import slurm
+    from hpc_verl.launch.backends import slurm
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -105,7 +105,7 @@ def run_baseline(env: dict, work: Path, temp_root: str, i: int) -> tuple[float, 
     out = work / f"baseline-{i}.out"
     script = work / f"baseline-{i}.sbatch"
     script.write_text(BASELINE.format(out=out, py=sys.executable, tmp=temp_root))
-    from hpc_verl.launch import slurm
+    from hpc_verl.launch.backends import slurm
 
     job_id = slurm.sbatch(str(script), env=env)
     state = _wait_done(env, job_id)

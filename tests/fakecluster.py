@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_verl.launch.plan import build_plan
+from hpc_verl.launch.spec.launch_plan import build_plan
 
 FAKEBIN = Path(__file__).resolve().parent / "fakebin"
 JOB_ID = "4242"

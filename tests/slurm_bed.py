@@ -41,7 +41,7 @@ class Bed:
         return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=60)
 
     def job_state(self, job_id: int) -> str:
-        from hpc_verl.launch import slurm
+        from hpc_verl.launch.backends import slurm
 
         info = slurm.job_info(job_id, env=self.env)
         return info.state if info else "UNKNOWN"

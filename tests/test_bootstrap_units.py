@@ -10,7 +10,7 @@ import pytest
 from hpc_verl.bootstrap.barrier import Barrier, ClusterView, parse_pids
 from hpc_verl.bootstrap.hostlist import expand_hostlist
 from hpc_verl.bootstrap.netif import select_ip
-from hpc_verl.bootstrap.plan import node_slots, parse_node_hosts, write_node_state, write_plan
+from hpc_verl.bootstrap.raydir import node_slots, parse_node_hosts, write_node_state, write_plan
 from hpc_verl.bootstrap.ports import HEAD_FIXED, busy_ports, pick_node_ports, port_block
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util.fs import atomic_write_json
@@ -63,6 +63,22 @@ def test_ray_start_args_pin_every_port():
                  "--runtime-env-agent-port=", "--metrics-export-port=", "--min-worker-port=", "--max-worker-port="):
         assert flag in args
     assert "--port=" not in " ".join(port_block(5).ray_start_args(head=False))
+
+
+def test_port_defaults_are_the_profile_schemas():
+    """A job without a profile value (bootstrap CLI defaults, port_block's) uses the schema's defaults."""
+    from hpc_verl.bootstrap.__main__ import _parser as build_parser
+    from hpc_verl.profiles.schema import RaySection
+
+    ray = RaySection()
+    assert port_block(7) == port_block(7, port_base=ray.port_base, port_stride=ray.port_stride,
+                                       port_slots=ray.port_slots)
+    for verb in (["plan", "--job-dir", "d"], ["ports", "--job-id", "7"]):
+        args = build_parser().parse_args(verb)
+        assert (args.port_base, args.port_stride, args.port_slots) == (ray.port_base, ray.port_stride,
+                                                                       ray.port_slots)
+    args = build_parser().parse_args(["plan", "--job-dir", "d"])
+    assert (args.temp_dir_root, args.timeout_s) == (ray.temp_dir_root, ray.readiness_timeout_s)
 
 
 def test_port_layout_errors():

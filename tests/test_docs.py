@@ -42,8 +42,8 @@ def test_quickstart_verl_job_is_valid(tmp_path):
     """The verl job file shown in the quick start passes the same validation as a submission."""
     import pytest
 
-    from hpc_verl.launch.jobconfig import load_job_config
-    from hpc_verl.launch.verl import validate_job_trainer
+    from hpc_verl.launch.spec.jobconfig import load_job_config
+    from hpc_verl.launch.spec.trainer_check import validate_job_trainer
     from hpc_verl.profiles import load_profile
     from hpc_verl.verl_upstream.config import find_verl
 
@@ -55,3 +55,25 @@ def test_quickstart_verl_job_is_valid(tmp_path):
     job = load_job_config(str(tmp_path / "job.yaml"))
     check = validate_job_trainer(load_profile("ib-a100"), job)
     assert check.kind == "verl" and check.command.verl_version
+
+
+def test_job_config_reference_names_every_field():
+    """The job config's fields are declared with docs (util.fields.spec, as the profile schema's);
+    the YAML references in docs/profiles.md (job config) and docs/rayjobs.md (ray_job) show each."""
+    from hpc_verl.launch.spec.jobconfig import JobConfig
+    from hpc_verl.util.fields import field_docs
+
+    def yaml_block(page: str, first_line: str) -> str:
+        text = (REPO / "docs" / page).read_text()
+        start = re.search(rf"^{re.escape(first_line)}", text, re.M).start()
+        return text[start:text.index("```", start)]
+
+    blocks = {"ray_job": yaml_block("rayjobs.md", "ray_job:"), "": yaml_block("profiles.md", "name: ppo-gsm8k")}
+    missing = []
+    for name, _type, _default, doc in field_docs(JobConfig):
+        assert doc, name
+        section, _, leaf = name.rpartition(".")
+        block = blocks["ray_job" if section == "ray_job" else ""]
+        if not re.search(rf"^\s*{re.escape(leaf)}:", block, re.M):
+            missing.append(name)
+    assert not missing, f"job config fields missing from the docs' YAML references: {missing}"

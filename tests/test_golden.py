@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_verl.launch.plan import build_plan
+from hpc_verl.launch.spec.launch_plan import build_plan
 from hpc_verl.profiles import list_profiles
 
 HERE = Path(__file__).resolve().parent

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpc_verl.launch import local
-from hpc_verl.launch.jobconfig import job_from_dict, load_job_config
+from hpc_verl.launch.backends import local
+from hpc_verl.launch.spec.jobconfig import job_from_dict, load_job_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.ops.plan import gpu_memory_for, make_plan, parse_model_size, verify_plan
+from hpc_verl.ops.scaling import gpu_memory_for, make_plan, parse_model_size, verify_plan
 from hpc_verl.profiles import load_profile
 from hpc_verl.verl_upstream import config as vconfig
 from hpc_verl.verl_upstream.command import Allocation, build_verl_command
@@ -108,8 +108,8 @@ def test_yaml_format_is_a_valid_verl_job(cli, tmp_path):
     """The yaml block pasted into a verl job file passes the submission checks."""
     import yaml
 
-    from hpc_verl.launch.jobconfig import load_job_config
-    from hpc_verl.launch.verl import validate_job_trainer
+    from hpc_verl.launch.spec.jobconfig import load_job_config
+    from hpc_verl.launch.spec.trainer_check import validate_job_trainer
 
     res = cli("plan", "--profile", "ib-a100", "--nodes", "2", "--format", "yaml")
     assert res.returncode == 0, res.stderr

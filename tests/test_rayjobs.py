@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_verl.launch import rayjobs
+from hpc_verl.launch.backends import rayjobs, rayjobs_api
 from rayhead import free_ports, start_ray_head
 
 
@@ -32,7 +32,7 @@ def head():
 
 @pytest.fixture(scope="module")
 def cluster(head):
-    return rayjobs.connect(head.address, head.token_file, env={})
+    return rayjobs_api.connect(head.address, head.token_file, env={})
 
 
 DRIVER = """\
@@ -92,8 +92,8 @@ def test_failing_driver_reports_last_lines(cluster):
     driver = rayjobs.DriverSpec.for_command([
         "python3", "-c", "import sys; [print('line', i) for i in range(40)]; sys.exit(3)"])
     sid = cluster.submit(driver.entrypoint(), {}, submission_id=rayjobs.new_submission_id("bad"))
-    handle = rayjobs.RayJobHandle(cluster.address, sid, cluster=cluster)
-    with pytest.raises(rayjobs.RayJobFailedError) as err:
+    handle = rayjobs_api.RayJobHandle(cluster.address, sid, cluster=cluster)
+    with pytest.raises(rayjobs_api.RayJobFailedError) as err:
         handle.wait(timeout_s=60)
     msg = str(err.value)
     first = msg.splitlines()[0]
@@ -104,30 +104,30 @@ def test_failing_driver_reports_last_lines(cluster):
 
 def test_unreachable_address_is_one_line():
     (port,) = free_ports(1)
-    with pytest.raises(rayjobs.RayUnreachableError) as err:
-        rayjobs.connect(f"127.0.0.1:{port}", None, env={}, timeout_s=3)
+    with pytest.raises(rayjobs_api.RayUnreachableError) as err:
+        rayjobs_api.connect(f"127.0.0.1:{port}", None, env={}, timeout_s=3)
     msg = str(err.value)
     assert "\n" not in msg and f"http://127.0.0.1:{port}" in msg and "connection refused" in msg
 
 
 def test_gcs_port_is_not_the_jobs_api(head):
-    with pytest.raises(rayjobs.RayUnreachableError, match="does not speak HTTP|not a Ray"):
-        rayjobs.connect(head.gcs_address, head.token_file, env={}, timeout_s=5)
+    with pytest.raises(rayjobs_api.RayUnreachableError, match="does not speak HTTP|not a Ray"):
+        rayjobs_api.connect(head.gcs_address, head.token_file, env={}, timeout_s=5)
 
 
 def test_missing_and_wrong_token(head, tmp_path):
-    with pytest.raises(rayjobs.RayAuthError, match="requires an auth token and none was sent"):
-        rayjobs.connect(head.address, None, env={"HOME": str(tmp_path)})
+    with pytest.raises(rayjobs_api.RayAuthError, match="requires an auth token and none was sent"):
+        rayjobs_api.connect(head.address, None, env={"HOME": str(tmp_path)})
     bad = tmp_path / "bad_token"
     bad.write_text("not-the-token\n")
-    with pytest.raises(rayjobs.RayAuthError) as err:
-        rayjobs.connect(head.address, bad, env={})
+    with pytest.raises(rayjobs_api.RayAuthError) as err:
+        rayjobs_api.connect(head.address, bad, env={})
     assert "rejected the auth token from " + str(bad) in str(err.value)
     assert "not-the-token" not in str(err.value)
-    with pytest.raises(rayjobs.RayAuthError, match="does not exist"):
-        rayjobs.connect(head.address, tmp_path / "nope", env={})
+    with pytest.raises(rayjobs_api.RayAuthError, match="does not exist"):
+        rayjobs_api.connect(head.address, tmp_path / "nope", env={})
     # Ray's own variable works too
-    assert rayjobs.connect(head.address, None,
+    assert rayjobs_api.connect(head.address, None,
                            env={"RAY_AUTH_TOKEN_PATH": str(head.token_file)}).cluster_version
 
 
@@ -135,7 +135,7 @@ def test_ray_address_env_does_not_override_explicit_address(head, monkeypatch):
     (port,) = free_ports(1)
     monkeypatch.setenv("RAY_ADDRESS", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("RAY_API_SERVER_ADDRESS", f"http://127.0.0.1:{port}")
-    c = rayjobs.connect(head.address, head.token_file, env={})
+    c = rayjobs_api.connect(head.address, head.token_file, env={})
     assert c.client.list_jobs() is not None
     assert c.client._address == head.address
 
@@ -158,8 +158,8 @@ def test_old_cluster_version_reports_both():
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     try:
-        with pytest.raises(rayjobs.RayVersionError) as err:
-            rayjobs.connect(f"127.0.0.1:{server.server_address[1]}", None, env={})
+        with pytest.raises(rayjobs_api.RayVersionError) as err:
+            rayjobs_api.connect(f"127.0.0.1:{server.server_address[1]}", None, env={})
     finally:
         server.shutdown()
     msg = str(err.value)
@@ -168,38 +168,44 @@ def test_old_cluster_version_reports_both():
 
 
 def test_address_and_driver_validation():
-    assert rayjobs.normalize_address("head:8265/") == "http://head:8265"
-    with pytest.raises(rayjobs.RayJobsError, match="ray://"):
-        rayjobs.normalize_address("ray://head:10001")
+    assert rayjobs_api.normalize_address("head:8265/") == "http://head:8265"
+    with pytest.raises(rayjobs_api.RayJobsError, match="ray://"):
+        rayjobs_api.normalize_address("ray://head:10001")
     assert rayjobs.DriverSpec.for_trainer("verl", ["trainer.nnodes=2"]).argv == [
         "python3", "-m", "verl.trainer.main_ppo", "trainer.nnodes=2"]
-    with pytest.raises(rayjobs.RayJobsError, match="unknown trainer 'verll'"):
+    with pytest.raises(rayjobs_api.RayJobsError, match="unknown trainer 'verll'"):
         rayjobs.DriverSpec.for_trainer("verll")
     assert rayjobs.DriverSpec.for_command(["bash", "-c", "echo $HOME; rm -rf /"]).entrypoint() == \
         "bash -c 'echo $HOME; rm -rf /'"
-    assert rayjobs.state_of("STOPPED") == "CANCELLED"
-    with pytest.raises(rayjobs.RayJobsError, match="does not exist"):
+    assert rayjobs_api.state_of("STOPPED") == "CANCELLED"
+    with pytest.raises(rayjobs_api.RayJobsError, match="does not exist"):
         rayjobs.build_runtime_env(working_dir="no/such/dir")
 
 
 # --------------------------------------------------------------------------- registry-level glue
 
-def test_ops_dry_run_and_options_validation(tmp_path):
+def test_backend_dry_run_and_options_validation(tmp_path, monkeypatch):
+    """A dry run checks and writes what would be sent (ray_job.json), and connects to nothing."""
     from hpc_verl.errors import ConfigError
-    from hpc_verl.launch import rayjobs_ops
+    from hpc_verl.launch import backends
+    from hpc_verl.launch.spec.jobconfig import RayJobOptions
 
+    monkeypatch.setenv("HPC_VERL_HOME", str(tmp_path / "home"))
     (port,) = free_ports(1)  # nothing listens: a dry run must not connect
-    h, rec = rayjobs_ops.submit(address=f"127.0.0.1:{port}", name="dry", dry_run=True,
-                                driver=rayjobs.DriverSpec.for_trainer("builtin", ["trainer.total_epochs=1"]),
-                                job_dir=tmp_path)
-    assert h is None
-    saved = json.loads((tmp_path / "ray_job.json").read_text())
-    assert saved["entrypoint"] == "python3 -m hpc_verl.trainer.main trainer.total_epochs=1"
+    request = backends.SubmitRequest(ray_address=f"127.0.0.1:{port}", name="dry",
+                                     overrides=("trainer.total_epochs=1",))
+    backend = backends.for_request(request)
+    assert backend.scheduler == "rayjob"
+    dry = backend.dryrun(request)
+    saved = json.loads((Path(dry.record.job_dir) / "ray_job.json").read_text())
+    assert saved["entrypoint"].startswith("python3 -m hpc_verl.trainer.main trainer.total_epochs=1 ")
     assert saved["runtime_env"]["py_modules"] == [rayjobs.hpc_verl_package_dir()]  # built-in ships itself
+    assert dry.record.dry_run and backend.list_state(dry.record) == "DRY-RUN"
+    assert f"request: {dry.record.job_dir}/ray_job.json" in str(dry)
     with pytest.raises(ConfigError, match="unknown key 'working_dri'.*did you mean 'working_dir'"):
-        rayjobs_ops.RayJobOptions.from_mapping({"working_dri": "."})
-    with pytest.raises(ConfigError, match="pip: expected a list"):
-        rayjobs_ops.RayJobOptions.from_mapping({"pip": "numpy"})
+        RayJobOptions.from_mapping({"working_dri": "."})
+    with pytest.raises(ConfigError, match="ray_job.pip must be a list"):
+        RayJobOptions.from_mapping({"pip": "numpy"})
 
 
 # --------------------------------------------------------------------------- the CLI, as a user runs it
@@ -224,7 +230,7 @@ def _submit(cli, head, env, tmp_path, name, code, *extra):
 def test_cli_submit_status_logs_list_success(cli, head, cli_env, tmp_path):
     sid = _submit(cli, head, cli_env, tmp_path, "cli-ok",
                   "import sys; print('hello from the driver', sys.argv[1:])", "trainer.total_epochs=3")
-    rayjobs.RayJobHandle(head.address, sid, str(head.token_file)).wait(timeout_s=90)
+    rayjobs_api.RayJobHandle(head.address, sid, str(head.token_file)).wait(timeout_s=90)
     res = cli("status", sid, "--json", env=cli_env)
     assert res.returncode == 0, res.stderr
     st = json.loads(res.stdout)
@@ -247,16 +253,14 @@ def test_cli_failed_job_shows_last_lines(cli, head, cli_env, tmp_path):
 
 
 def test_cli_cancel(cli, head, cli_env, tmp_path, monkeypatch):
-    from hpc_verl.launch import rayjobs_ops
+    from hpc_verl.launch import backends, registry
 
     monkeypatch.setenv("HPC_VERL_HOME", cli_env["HPC_VERL_HOME"])  # the registry the CLI reads
+    cluster = rayjobs_api.connect(head.address, head.token_file, env={})
     driver = rayjobs.DriverSpec.for_command(["python3", "-u", "-c",
                                              "import time; print('started'); time.sleep(300)"])
-    handle, _ = rayjobs_ops.submit(address=head.address, driver=driver, name="cli-long",
-                                   token_file=head.token_file)
-    sid = handle.submission_id
-    from hpc_verl.launch import registry
-
+    sid = cluster.submit(driver.entrypoint(), {}, submission_id=rayjobs.new_submission_id("cli-long"))
+    handle = rayjobs_api.RayJobHandle(head.address, sid, cluster=cluster)
     job_dir = registry.new_job_dir("cli-long")
     registry.JobRecord(name="cli-long", job_dir=str(job_dir), profile="-", scheduler="rayjob",
                        submission_id=sid, ray_address=head.address, token_file=str(head.token_file)).save()
@@ -267,7 +271,10 @@ def test_cli_cancel(cli, head, cli_env, tmp_path, monkeypatch):
     res = cli("cancel", sid, env=cli_env)
     assert res.returncode == 0 and "stop requested" in res.stdout, res.stderr
     assert handle.wait(timeout_s=60, check=False) == "CANCELLED"
-    assert rayjobs_ops.describe(registry.find(sid))["state"] == "CANCELLED"
+    rec = registry.find(sid)
+    assert backends.for_record(rec).describe(rec).state is backends.JobState.CANCELLED
+    res = cli("cancel", sid, env=cli_env)
+    assert res.returncode == 0 and "already ended (CANCELLED)" in res.stdout
 
 
 def _one_line_exit_2(res):
@@ -297,7 +304,7 @@ def test_hold_stage_renders_in_place_of_train(tmp_path):
     import shutil
     import subprocess
 
-    from hpc_verl.launch.render import render_sbatch
+    from hpc_verl.launch.spec.render import render_sbatch
     from hpc_verl.profiles import load_profile
 
     profile = load_profile("ib-a100", ["ray.dashboard=true", "slurm.requeue=false"])

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hpc_verl.errors import ConfigError, RenderError
-from hpc_verl.launch.jobconfig import load_job_config
-from hpc_verl.launch.plan import build_plan, validate_script
-from hpc_verl.launch.render import environment, shquote
+from hpc_verl.launch.spec.jobconfig import load_job_config
+from hpc_verl.launch.spec.launch_plan import build_plan, validate_script
+from hpc_verl.launch.spec.render import environment, shquote
 
 HERE = Path(__file__).resolve().parent
 SHIPPED = ["eth-l40s", "ib-a100", "local", "mi300x-rocm", "pyxis-h100", "roce-h100", "testbed", "testbed-podman"]
@@ -128,6 +128,23 @@ def test_job_config_strict_keys_and_values(tmp_path):
         load_job_config(None, ["trainer.total_epochs"])
     job = load_job_config(None, ["trainer.total_epochs=2", "+extra.key=a b"])
     assert job.trainer_override_args() == ["trainer.total_epochs=2", "+extra.key=a b"]
+    # the same declarative fields as the profile schema: every value checked, one line naming the key
+    for text, needle in (("trainer:\n  overrides: {'$(x)': 1}\n", "trainer.overrides.$(x) is not a dotted key"),
+                         ("data:\n  train_file: sub/t.parquet\n", "data.train_file must be a file name"),
+                         ("model:\n  check: 'yes'\n", "model.check must be true or false, got 'yes'"),
+                         ("ray_job:\n  command: []\n", "ray_job.command must not be empty"),
+                         ("ray_job:\n  env_vars: {'A B': x}\n", "ray_job.env_vars.A B must be a variable name"),
+                         ("ray_job:\n  entrypoint_num_gpus: -1\n", "ray_job.entrypoint_num_gpus must be between"),
+                         ("ray_job:\n  ship_hpc_verl: maybe\n", "ray_job.ship_hpc_verl must be auto, true or false"),
+                         ("ray_job: 3\n", "ray_job must be a mapping of command, working_dir")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            load_job_config(str(bad))
+        assert str(err.value).startswith(f"job config {bad}: ") and needle in str(err.value), str(err.value)
+    bad.write_text("ray_job:\n  ship_hpc_verl: true\n  entrypoint_num_cpus: 2\n  command: [python3, t.py]\n")
+    opts = load_job_config(str(bad)).ray_job  # parsed once, stored typed
+    assert (opts.ship_hpc_verl, opts.entrypoint_num_cpus, opts.command) == ("true", 2.0, ["python3", "t.py"])
+    assert opts.ships_hpc_verl(runs_hpc_verl=False)
 
 
 def test_absolute_job_path_outside_mounts_is_refused(tmp_path):

@@ -119,6 +119,37 @@ def test_preemption_signal_checkpoints_and_requeues(fc):
     assert not (res.run_dir / "stages" / "train.done").exists()  # the next run trains (resumes) again
 
 
+@pytest.mark.parametrize("code, trainer_rc, requeued", [(None, 99, True), ("42", 42, True), ("42", 99, False)])
+def test_requeue_exit_code_is_the_trainers_constant(fc, code, trainer_rc, requeued):
+    """The script requeues on exactly the code the trainer uses for "checkpointed, requeue me"
+    (trainer.checkpoint.REQUEUE_EXIT_CODE, or the variable a profile sets), and the trainer in the
+    job sees that same code in its environment."""
+    sets = [f"env.vars.HPC_VERL_REQUEUE_EXIT_CODE={code}"] if code else []
+    res = fc.run(fc.render("testbed", sets), FAKE_TRAINER_RC=str(trainer_rc),
+                 FAKE_PROBE="HPC_VERL_REQUEUE_EXIT_CODE")
+    assert f"trainer-env HPC_VERL_REQUEUE_EXIT_CODE={code or 99}" in res.log
+    if requeued:
+        assert res.rc == 0, res.stderr
+        assert f"asks to be requeued (exit {trainer_rc})" in res.stderr
+        assert ["requeue", JOB_ID] in res.calls("scontrol")
+    else:
+        assert res.rc == 99 and f"the trainer exited with status {trainer_rc}" in res.stderr
+        assert ["requeue", JOB_ID] not in res.calls("scontrol")
+
+
+def test_requeue_exit_code_set_where_the_launcher_runs_reaches_script_and_trainer(cli, tmp_path):
+    """HPC_VERL_REQUEUE_EXIT_CODE (docs/trainer.md) on the login node: the rendered script tests that
+    code and exports it to the trainer's environment (containers included), instead of a literal 99."""
+    out = tmp_path / "job.sbatch"
+    res = cli("render", "--profile", "ib-a100", "-o", str(out), env={"HPC_VERL_REQUEUE_EXIT_CODE": "42"})
+    assert res.returncode == 0, res.stderr
+    script = out.read_text()
+    assert "if ((rc == 42)); then" in script and "hpcv_export HPC_VERL_REQUEUE_EXIT_CODE 42" in script
+    assert "rc == 99" not in script
+    bad = cli("render", "--profile", "ib-a100", "--set", "env.vars.HPC_VERL_REQUEUE_EXIT_CODE=1")
+    assert bad.returncode == 2 and "env.vars.HPC_VERL_REQUEUE_EXIT_CODE '1' must be an exit status" in bad.stderr
+
+
 def test_requeue_budget_is_bounded(fc):
     script = fc.render("testbed", ["slurm.max_restarts=1"])
     proc = fc.popen(script, FAKE_TRAINER_WAIT_PREEMPT="1", SLURM_RESTART_COUNT="1")

@@ -8,7 +8,7 @@ import pytest
 
 from hpc_verl.errors import JobNotFoundError
 from hpc_verl.launch import registry
-from hpc_verl.launch.slurm import parse_scontrol
+from hpc_verl.launch.backends.slurm import parse_scontrol
 
 
 def test_parse_scontrol_keeps_values_with_spaces():
@@ -63,7 +63,8 @@ def test_local_job_states_share_the_slurm_record(tmp_path):
     import subprocess
     import sys
 
-    from hpc_verl.launch import local, registry
+    from hpc_verl.launch import registry
+    from hpc_verl.launch.backends import local
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -184,7 +184,7 @@ def test_e_two_jobs_at_once_on_the_same_nodes(slurm_testbed, tmp_path):
 
 
 def test_f_preemption_checkpoint_requeue_resume(slurm_testbed, tmp_path):
-    from hpc_verl.launch import slurm
+    from hpc_verl.launch.backends import slurm
 
     bed = slurm_testbed
     job_id, job_dir = submit(bed, "testbed-local", job_yaml(tmp_path, "f", steps=30, step_s=0.5, prepare=True))
@@ -283,3 +283,22 @@ def test_g_h_status_logs_cancel_and_token(slurm_testbed, tmp_path):
     assert "Ray ready" in fout and "step 1/400 done" in fout
     assert json.loads(bed.cli("status", str(job_id), "--json").stdout)["state"] == "CANCELLED"
     assert_clean(job_dir, job_id)
+
+
+def test_i_a_job_slurm_no_longer_knows_is_gone(slurm_testbed, tmp_path, monkeypatch):
+    """A record whose job SLURM has forgotten (purged after MinJobAge) is GONE: a terminal state, so
+    `logs --follow` ends at once instead of waiting forever; `list` and `status` say the same."""
+    bed = slurm_testbed
+    monkeypatch.setenv("HPC_VERL_HOME", bed.env["HPC_VERL_HOME"])
+    from hpc_verl.launch import registry
+
+    job_dir = registry.new_job_dir("forgotten")
+    (job_dir / "forgotten-987654.out").write_text("the last line\n")
+    registry.JobRecord(name="forgotten", job_dir=str(job_dir), profile="testbed-local", job_id=987654,
+                       slurm_conf=bed.env["SLURM_CONF"], batch_log=str(job_dir / "forgotten-987654.out"),
+                       run_dir=str(job_dir / "forgotten-987654")).save()
+    st = json.loads(bed.cli("status", "987654", "--json").stdout)
+    assert st["state"] == "GONE" and "no longer knows" in st["reason"]
+    follow = bed.cli("logs", "987654", "--follow", timeout=30)
+    assert follow.returncode == 0 and follow.stdout == "the last line\n"
+    assert "GONE" in bed.cli("list").stdout

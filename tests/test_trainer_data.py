@@ -62,6 +62,26 @@ def test_bad_data_file_is_one_line_and_writes_nothing(cli, tmp_path, content, ne
     assert not (tmp_path / "out" / "train.parquet").exists()
 
 
+def test_job_stage_and_verb_share_options_and_defaults(cli, tmp_path):
+    """`python -m hpc_verl.data.preprocess` (the job's stage) and `hpc-verl preprocess` take the same
+    options with the same defaults (the functions' own): the same rows come out."""
+    import subprocess
+    import sys
+
+    stage = subprocess.run([sys.executable, "-m", "hpc_verl.data.preprocess", "--dataset", "digits", "--output",
+                            str(tmp_path / "a"), "--n-train", "12", "--n-digits", "4"],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert stage.returncode == 0, stage.stderr
+    verb = cli("preprocess", "digits", "--output", str(tmp_path / "b"), "--n-train", "12", "--n-digits", "4")
+    assert verb.returncode == 0, verb.stderr
+    assert stage.stdout.replace("/a/", "/b/") == verb.stdout and "(12 rows)" in verb.stdout
+    a, b = (pq.read_table(tmp_path / d / "train.parquet").to_pylist() for d in "ab")
+    assert len(a) == 12 and a == b
+    res = subprocess.run([sys.executable, "-m", "hpc_verl.data.preprocess", "--output", str(tmp_path / "c")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "--input FILE is required" in res.stderr
+
+
 def test_unknown_format_and_damaged_parquet(tmp_path):
     from hpc_verl.data.preprocess import read_records
     (tmp_path / "x.csv").write_text("a,b\n")

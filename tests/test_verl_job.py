@@ -7,9 +7,9 @@ import textwrap
 
 import pytest
 
-from hpc_verl.launch.jobconfig import JobConfig, load_job_config
-from hpc_verl.launch.render import derived_overrides
-from hpc_verl.launch.verl import trainer_kind, validate_job_trainer
+from hpc_verl.launch.spec.jobconfig import JobConfig, load_job_config
+from hpc_verl.launch.spec.render import derived_overrides
+from hpc_verl.launch.spec.trainer_check import trainer_kind, validate_job_trainer
 from hpc_verl.profiles import load_profile
 from hpc_verl.verl_upstream import config as vconfig
 
@@ -119,7 +119,7 @@ def test_rendered_overrides_compose_against_verl(tmp_path):
     import re
     import subprocess
 
-    from hpc_verl.launch.plan import build_plan
+    from hpc_verl.launch.spec.launch_plan import build_plan
     from hpc_verl.verl_upstream.command import resolved_config
 
     extra = 'trainer.experiment_name: "my run"\ntrainer.logger: [console]\n'

@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.launch.batch_checks import check_ppo_arithmetic
+from hpc_verl.util.batch_rules import check_ppo_arithmetic
 from hpc_verl.verl_upstream import command as vcmd
 from hpc_verl.verl_upstream import config as vconfig
 from hpc_verl.verl_upstream.command import Allocation, build_verl_command
@@ -192,7 +192,8 @@ def test_arithmetic_tp_and_micro_batches():
     probs = check_ppo_arithmetic(_cfg(mini=24, critic=False), 2, 8)
     assert any("24" in p and "16 data-parallel ranks" in p for p in probs)
     probs = check_ppo_arithmetic(_cfg(tbs=128, mini=256, critic=False), 2, 8)
-    assert any("smaller than actor_rollout_ref.actor.ppo_mini_batch_size (256)" in p for p in probs)
+    assert any("actor_rollout_ref.actor.ppo_mini_batch_size (256) is larger than data.train_batch_size (128)" in p
+               for p in probs)
     # the critic has its own mini/micro batches
     assert any(p.startswith("critic.") for p in check_ppo_arithmetic(_cfg(micro=3), 2, 8))
     # dynamic batch sizes skip the per-GPU checks, as verl does

@@ -20,6 +20,7 @@ import sys
 import time
 
 from hpc_verl.errors import HpcVerlError
+from hpc_verl.profiles.schema import RaySection  # the defaults of the profile's ray section: one place
 
 
 def _bool(text: str) -> bool:
@@ -40,15 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus-per-node", type=int, default=0)
     plan.add_argument("--node-hosts", default="", help="'node1=hostA,node2=hostA' (from scontrol on the host)")
     plan.add_argument("--num-cpus", type=int, default=None, help="CPUs per Ray node (0 or unset: Ray detects)")
-    plan.add_argument("--port-base", type=int, default=20000)
-    plan.add_argument("--port-stride", type=int, default=100)
-    plan.add_argument("--port-slots", type=int, default=120)
+    _add_port_layout(plan)
     plan.add_argument("--interface", default=None)
     plan.add_argument("--allow-loopback", type=_bool, default=False)
-    plan.add_argument("--temp-dir-root", default="/tmp/hpcv-ray")
+    plan.add_argument("--temp-dir-root", default=RaySection.temp_dir_root)
     plan.add_argument("--dashboard", type=_bool, default=False)
     plan.add_argument("--dashboard-host", default="127.0.0.1")
-    plan.add_argument("--timeout-s", type=float, default=300)
+    plan.add_argument("--timeout-s", type=float, default=RaySection.readiness_timeout_s)
     plan.add_argument("--python", default=sys.executable)
     for verb in ("node", "head", "worker"):
         n = sub.add_parser(verb)
@@ -65,11 +64,15 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("nodelist")
     pr = sub.add_parser("ports")
     pr.add_argument("--job-id", type=int, required=True)
-    pr.add_argument("--port-base", type=int, default=20000)
-    pr.add_argument("--port-stride", type=int, default=100)
-    pr.add_argument("--port-slots", type=int, default=120)
+    _add_port_layout(pr)
     pr.add_argument("--nodes-per-host", type=int, default=1)
     return p
+
+
+def _add_port_layout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port-base", type=int, default=RaySection.port_base)
+    parser.add_argument("--port-stride", type=int, default=RaySection.port_stride)
+    parser.add_argument("--port-slots", type=int, default=RaySection.port_slots)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.verb == "plan":
-        from hpc_verl.bootstrap.plan import write_plan
+        from hpc_verl.bootstrap.raydir import write_plan
 
         plan = write_plan(args.job_dir, args.job_id, args.nodelist, gpus_per_node=args.gpus_per_node,
                           num_cpus=args.num_cpus, port_base=args.port_base, port_stride=args.port_stride,
@@ -134,7 +137,7 @@ def _stop(job_dir: str, node: str | None) -> int:
     """Fallback teardown: TERM this node's supervisor (it stops its own tree), then KILL what is left."""
     from hpc_verl.bootstrap import procs
     from hpc_verl.bootstrap.node import this_node
-    from hpc_verl.bootstrap.plan import node_states
+    from hpc_verl.bootstrap.raydir import node_states
 
     node = node or this_node()
     st = node_states(job_dir).get(node, {})

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from hpc_verl.bootstrap import procs
 from hpc_verl.bootstrap.netif import split_address, tcp_open
 from hpc_verl.bootstrap.node import NODE_RESOURCE_PREFIX, log_tail, node_temp_dir
-from hpc_verl.bootstrap.plan import node_states, ray_dir, ray_env, read_json, read_plan
+from hpc_verl.bootstrap.raydir import node_states, ray_dir, ray_env, read_json, read_plan
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util.fs import atomic_write_text
 

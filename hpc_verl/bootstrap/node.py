@@ -26,7 +26,7 @@ from typing import Any
 
 from hpc_verl.bootstrap import procs
 from hpc_verl.bootstrap.netif import select_ip, tcp_open
-from hpc_verl.bootstrap.plan import ray_dir, ray_env, read_json, read_plan, write_node_state
+from hpc_verl.bootstrap.raydir import ray_dir, ray_env, read_json, read_plan, write_node_state
 from hpc_verl.bootstrap.ports import pick_node_ports
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util.fs import atomic_write_json

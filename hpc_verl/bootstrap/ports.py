@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc_verl.errors import BootstrapError
+from hpc_verl.profiles.schema import RaySection  # the profile's defaults: one place
 
 HEAD_FIXED = 3   # gcs, dashboard, client
 NODE_FIXED = 6   # node manager, object manager, agent http, agent grpc, runtime env, metrics
@@ -76,8 +77,8 @@ class PortBlock:
         return asdict(self)
 
 
-def port_block(job_id: int, *, port_base: int = 20000, port_stride: int = 100,
-               port_slots: int = 120, node_slot: int = 0, nodes_per_host: int = 1,
+def port_block(job_id: int, *, port_base: int = RaySection.port_base, port_stride: int = RaySection.port_stride,
+               port_slots: int = RaySection.port_slots, node_slot: int = 0, nodes_per_host: int = 1,
                slot_shift: int = 0) -> PortBlock:
     """The port block of node sub-slot ``node_slot`` of job ``job_id`` (pure arithmetic)."""
     if port_slots < 1 or port_stride < 1:

@@ -1,4 +1,4 @@
-"""``hpc-verl cluster up --profile NAME --nodes N`` / ``cluster down [JOB]``, and the Ray side of ``submit``."""
+"""``hpc-verl cluster up --profile NAME --nodes N`` / ``cluster down [JOB]``: Ray clusters held in SLURM jobs."""
 from __future__ import annotations
 
 import argparse
@@ -53,34 +53,4 @@ def cmd_down(args: argparse.Namespace) -> int:
 
     rec, state = cluster.down(args.job)
     print(f"cluster job {rec.job_id}: {state}")
-    return 0
-
-
-def submit_ray(args: argparse.Namespace) -> int:
-    """``hpc-verl submit --ray-address URL | --cluster JOB``: send the job through the Ray Jobs API."""
-    from hpc_verl.errors import ConfigError
-    from hpc_verl.launch import cluster, rayjobs_ops
-
-    address, token_file, profile = args.ray_address, args.ray_token_file, args.profile
-    if args.cluster:
-        if args.ray_address:
-            raise ConfigError("give either --cluster JOB or --ray-address URL, not both")
-        crec = cluster.find(args.cluster)
-        info = cluster.ready_info(crec)
-        address = info["address"]
-        token_file = token_file or info["token_file"]
-        profile = profile or crec.profile
-    handle, rec = rayjobs_ops.submit_to_registry(profile, args.config, args.overrides, args.sets, args.name,
-                                                 ray_address=address, token_file=token_file,
-                                                 dry_run=args.dry_run)
-    if handle is None:
-        print(f"dry run: job directory {rec.job_dir}\nwould send: {rec.job_dir}/ray_job.json")
-        return 0
-    print(f"submitted Ray job {rec.submission_id} ({rec.name}) to {rec.ray_address}")
-    client_v, cluster_v = handle.cluster.client_version, handle.cluster.cluster_version
-    if client_v.split(".")[:2] != cluster_v.split(".")[:2]:
-        print(f"hpc-verl: note: Ray here is {client_v}, the cluster runs {cluster_v}; the driver uses the "
-              "cluster's Ray (both are >= 2.40, so the Jobs API works)", file=sys.stderr)
-    print(f"job directory: {rec.job_dir}")
-    print(f"follow: hpc-verl logs {rec.submission_id} --follow")
     return 0

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from hpc_verl._version import __version__
 from hpc_verl.errors import report_errors
+from hpc_verl.util.argparser import OneLineParser
 
 # Add a verb by adding its module name here (module hpc_verl.cli.<name>).
 VERB_MODULES: tuple[str, ...] = (
@@ -22,13 +23,6 @@ VERB_MODULES: tuple[str, ...] = (
     "train", "preprocess", "make_tiny_model", "check_model", "plot",
     "dashboard",
 )
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hpc_verl.errors import ConfigError
-    from hpc_verl.ops.plan import format_overrides, make_plan, verify_plan
+    from hpc_verl.ops.scaling import format_overrides, make_plan, verify_plan
     from hpc_verl.profiles import load_profile
     from hpc_verl.verl_upstream.config import schema as verl_schema
 
@@ -51,7 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.format == "yaml":
         import yaml
 
-        from hpc_verl.ops.plan import typed_value
+        from hpc_verl.ops.scaling import typed_value
 
         block = {"trainer": {"overrides": {r.key: typed_value(r.value) for r in plan.rows if r.kind == "override"}}}
         print(yaml.safe_dump(block, sort_keys=False, default_flow_style=False), end="")

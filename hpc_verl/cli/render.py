@@ -20,7 +20,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from hpc_verl.errors import RenderError
-    from hpc_verl.launch.plan import build_plan, validate_script
+    from hpc_verl.launch.spec.launch_plan import build_plan, validate_script
 
     plan = build_plan(args.profile, args.config, args.overrides, profile_overrides=args.sets)
     if args.check:

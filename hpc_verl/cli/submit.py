@@ -27,44 +27,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.ray_address or args.cluster:
-        from hpc_verl.cli.cluster import submit_ray
+    from hpc_verl.launch import backends
 
-        return submit_ray(args)
-    if not args.profile:
-        from hpc_verl.errors import ConfigError
-
-        raise ConfigError("submit needs --profile NAME (a SLURM profile, or 'local' for this machine; see "
-                          "'hpc-verl profiles list'), or --ray-address URL / --cluster JOB for a running Ray cluster")
-    from hpc_verl.launch.submit import submit_job
-
-    rec = submit_job(args.profile, args.config, args.overrides, args.sets, args.name, args.dry_run,
-                     detach=args.detach)
-    if rec.scheduler == "local" and not rec.dry_run:
-        return _report_local(rec)
-    if rec.job_id is None:
-        how = f"bash {rec.script}" if rec.scheduler == "local" else f"sbatch {rec.script}"
-        print(f"dry run: job directory {rec.job_dir}\nscript: {rec.script}\nsubmit with: {how}")
-    else:
-        print(f"submitted job {rec.job_id} ({rec.name}, profile {rec.profile})")
-        print(f"job directory: {rec.job_dir}")
-        print(f"run directory: {rec.run_dir}")
-        print(f"logs: {rec.batch_log} and {rec.log_dir}/node-<node>.log")
-        print(f"follow: hpc-verl logs {rec.job_id} --follow")
-    return 0
-
-
-def _report_local(rec) -> int:
-    """After a local job: where its results are (foreground), or how to follow it (detached)."""
-    from hpc_verl.launch import local
-
-    if rec.exit_code is None:
-        print(f"started local job {rec.job_id} ({rec.name}) in the background")
-        print(f"run directory: {rec.run_dir}")
-        print(f"follow: hpc-verl logs {rec.job_id} --follow    stop: hpc-verl cancel {rec.job_id}")
+    request = backends.SubmitRequest(profile=args.profile, config=args.config, overrides=tuple(args.overrides),
+                                     sets=tuple(args.sets), name=args.name, ray_address=args.ray_address,
+                                     ray_token_file=args.ray_token_file, cluster=args.cluster, detach=args.detach)
+    backend = backends.for_request(request)
+    dry = backend.dryrun(request)
+    if args.dry_run:
+        print(dry)
         return 0
-    state = local.info(rec).state
-    print(f"local job {rec.job_id} ({rec.name}): {state}, exit status {rec.exit_code}")
-    for line in local.results(rec):
-        print(line)
-    return rec.exit_code
+    record = backend.submit(dry)
+    print("\n".join(backend.report(record)))
+    return int(record.exit_code or 0)

@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from hpc_verl.errors import HpcVerlError, ProfileError
-    from hpc_verl.launch.plan import build_plan, validate_script
+    from hpc_verl.launch.spec.launch_plan import build_plan, validate_script
     from hpc_verl.profiles import list_profiles
 
     if args.all == bool(args.profile):

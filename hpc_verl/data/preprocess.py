@@ -7,6 +7,7 @@ never leaves a half-written parquet that a later "already there?" check accepts.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -19,6 +20,7 @@ from hpc_verl.util.fs import atomic_target
 
 GSM8K_SOURCE = "openai/gsm8k"
 DIGITS_SOURCE = "hpc_verl/digits"
+DATASETS = ("gsm8k", "digits")
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 SAMPLES_DIR = Path(__file__).with_name("samples")
 SAMPLE_GSM8K = SAMPLES_DIR / "gsm8k_sample.jsonl"
@@ -166,6 +168,36 @@ def preprocess_digits(output_dir: str | os.PathLike[str], n_train: int = 1024, n
             "n_train": n_train, "n_test": n_test}
 
 
+def _default(func: Any, name: str) -> Any:
+    return inspect.signature(func).parameters[name].default
+
+
+def add_arguments(parser: Any, *datasets: str) -> None:
+    """The options of the datasets' preprocessing, their defaults the functions' own (one place):
+    ``hpc-verl preprocess DATASET`` and ``python -m hpc_verl.data.preprocess`` (the job's stage) share them."""
+    parser.add_argument("--output", required=True, metavar="DIR")
+    if "gsm8k" in datasets:
+        parser.add_argument("--input", required=datasets == ("gsm8k",), metavar="FILE",
+                            help=".jsonl or .parquet with question/answer fields")
+        parser.add_argument("--test-input", metavar="FILE", help="a separate test file (else a split of --input)")
+        parser.add_argument("--test-fraction", type=float, default=_default(preprocess_gsm8k, "test_fraction"))
+    if "digits" in datasets:
+        for name in ("n_train", "n_test", "n_digits", "answer_digits"):
+            parser.add_argument("--" + name.replace("_", "-"), type=int, default=_default(preprocess_digits, name))
+    parser.add_argument("--seed", type=int, default=_default(preprocess_gsm8k, "seed"))
+
+
+def run(dataset: str, args: Any) -> str:
+    """Preprocess ``dataset`` ("gsm8k" | "digits") with parsed options; returns the line to print."""
+    if dataset == "digits":
+        r = preprocess_digits(args.output, args.n_train, args.n_test, args.seed, args.n_digits, args.answer_digits)
+    else:
+        if not args.input:
+            raise DataError("--input FILE is required for --dataset gsm8k (a .jsonl or .parquet file)")
+        r = preprocess_gsm8k(args.input, args.output, args.test_input, args.test_fraction, args.seed)
+    return f"preprocess: wrote {r['train']} ({r['n_train']} rows) and {r['test']} ({r['n_test']} rows)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m hpc_verl.data.preprocess --input FILE --output DIR`` (the launcher's preprocess stage).
 
@@ -177,26 +209,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m hpc_verl.data.preprocess",
                                 description="Write train/test parquet in verl's schema.")
-    p.add_argument("--dataset", choices=("gsm8k", "digits"), default="gsm8k")
-    p.add_argument("--input", metavar="FILE")
-    p.add_argument("--output", required=True, metavar="DIR")
-    p.add_argument("--test-input", metavar="FILE")
-    p.add_argument("--test-fraction", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-train", type=int, default=1024)
-    p.add_argument("--n-test", type=int, default=128)
+    p.add_argument("--dataset", choices=DATASETS, default="gsm8k")
+    add_arguments(p, *DATASETS)
     a = p.parse_args(argv)
     try:
-        if a.dataset == "digits":
-            r = preprocess_digits(a.output, a.n_train, a.n_test, a.seed)
-        else:
-            if not a.input:
-                raise DataError("--input FILE is required for --dataset gsm8k (a .jsonl or .parquet file)")
-            r = preprocess_gsm8k(a.input, a.output, a.test_input, a.test_fraction, a.seed)
+        print(run(a.dataset, a))
     except DataError as exc:
         print(f"hpc-verl: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(f"preprocess: wrote {r['train']} ({r['n_train']} rows) and {r['test']} ({r['n_test']} rows)")
     return 0
 
 

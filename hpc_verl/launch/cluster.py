@@ -9,14 +9,14 @@ limit. Training jobs go into it through the Ray Jobs API
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from hpc_verl.errors import SubmitError
-
-CLUSTER_ROLE = "cluster"
+from hpc_verl.launch import backends, registry
+from hpc_verl.launch.backends.base import SubmitRequest
+from hpc_verl.bootstrap.raydir import cluster_info_path, read_cluster_info
 
 
 class ClusterError(SubmitError):
@@ -30,12 +30,6 @@ def _tail(path: Path, lines: int = 15) -> str:
         return f"(no {path.name} yet)"
 
 
-def cluster_file(rec: Any) -> Path:
-    from hpc_verl.launch.hold import CLUSTER_FILE
-
-    return Path(rec.run_dir or rec.job_dir) / "ray" / CLUSTER_FILE
-
-
 def up(profile_name: str, nodes: int, sets: Sequence[str] = (), name: str | None = None,
        time_min: int | None = None, wait_timeout_s: float = 600,
        progress: Callable[[str], None] | None = None) -> tuple[Any, dict[str, Any]]:
@@ -44,45 +38,41 @@ def up(profile_name: str, nodes: int, sets: Sequence[str] = (), name: str | None
     Returns (registry record, cluster info). A job that ends before that is reported
     with the tail of its batch log; one that is not ready in time is cancelled.
     """
-    from hpc_verl.launch import slurm
-    from hpc_verl.launch.submit import submit_job
-
     if nodes < 1:
         raise ClusterError(f"--nodes {nodes}: a cluster needs at least 1 node")
     # a held cluster is not requeued (its jobs would die with it), and needs its dashboard (Jobs API)
     forced = [f"slurm.nodes={nodes}", "slurm.requeue=false", "ray.dashboard=true"]
     if time_min is not None:
         forced.append(f"slurm.time_min={time_min}")
-    rec = submit_job(profile_name, None, (), [*sets, *forced], name or "ray-cluster", hold=True)
+    slurm = backends.get("slurm")
+    request = SubmitRequest(profile=profile_name, sets=(*sets, *forced), name=name or "ray-cluster", hold=True)
+    rec = slurm.submit(slurm.dryrun(request))
     say = progress or (lambda _msg: None)
     say(f"cluster job {rec.job_id} submitted ({nodes} node(s), profile {rec.profile})")
-    info_file = cluster_file(rec)
     batch_log = Path(rec.batch_log)
     deadline = time.monotonic() + wait_timeout_s
     last_state = None
-    while not info_file.exists():
-        info = slurm.job_info(rec.job_id, env=rec.env())
-        state = info.state if info else "GONE"
-        if state != last_state:
-            say(f"cluster job {rec.job_id}: {state}" + (" (waiting for Ray)" if state == "RUNNING" else ""))
-            last_state = state
-        if info is None or info.terminal:
-            if info_file.exists():
-                break
-            raise ClusterError(f"cluster job {rec.job_id} ended ({state}) before Ray came up; see "
+    while (cinfo := read_cluster_info(rec.run_dir)) is None:
+        info = slurm.describe(rec)
+        if info.state != last_state:
+            say(f"cluster job {rec.job_id}: {info.label}" + (" (waiting for Ray)" if info.state == "RUNNING" else ""))
+            last_state = info.state
+        if info.terminal:
+            if cluster_info_path(rec.run_dir).exists():
+                continue
+            raise ClusterError(f"cluster job {rec.job_id} ended ({info.label}) before Ray came up; see "
                                f"{batch_log}; last lines:\n{_tail(batch_log)}")
         if time.monotonic() > deadline:
-            slurm.scancel(rec.job_id, env=rec.env())
+            slurm.cancel(rec)
             raise ClusterError(f"cluster job {rec.job_id} was not ready within {wait_timeout_s:g}s "
-                               f"(state {state}); cancelled it; raise --wait-timeout-s or check "
+                               f"(state {info.label}); cancelled it; raise --wait-timeout-s or check "
                                f"{batch_log}")
         time.sleep(1)
-    cinfo = json.loads(info_file.read_text())
     rec.ray_address = cinfo["address"]
     rec.token_file = cinfo["token_file"]
     rec.save()
     # The head saw its own Jobs API; check that it is reachable from here too (firewalls, NAT).
-    from hpc_verl.launch import rayjobs
+    from hpc_verl.launch.backends import rayjobs_api as rayjobs
 
     try:
         rayjobs.connect(cinfo["address"], cinfo["token_file"])
@@ -94,51 +84,30 @@ def up(profile_name: str, nodes: int, sets: Sequence[str] = (), name: str | None
 
 def find(ref: str | None = None) -> Any:
     """A cluster record by id/name, or (no ref) the newest one that is still alive."""
-    from hpc_verl.launch import registry, slurm
-
     if ref is not None:
-        rec = registry.find(ref)
-        if rec.role != CLUSTER_ROLE:
-            raise ClusterError(f"job {ref} is not a cluster job (it was submitted with 'hpc-verl submit'); "
-                               "'hpc-verl list' shows all jobs")
-        return rec
+        return registry.find_cluster(ref)
     for rec in reversed(list(registry.all_jobs())):  # newest first: one SLURM query in the usual case
-        if rec.role == CLUSTER_ROLE and rec.job_id is not None:
-            info = slurm.job_info(rec.job_id, env=rec.env())
-            if info is not None and not info.terminal:
+        if rec.role == registry.ROLE_CLUSTER and rec.job_id is not None:
+            if not backends.for_record(rec).describe(rec).terminal:
                 return rec
     raise ClusterError("no running cluster job in the registry; start one with "
                        "'hpc-verl cluster up --profile NAME --nodes N'")
 
 
-def ready_info(rec: Any) -> dict[str, Any]:
-    """The held cluster's address and token file (``ray/cluster.json``), or why it is not ready."""
-    path = cluster_file(rec)
-    if not path.exists():
-        from hpc_verl.launch import slurm
-
-        info = slurm.job_info(rec.job_id, env=rec.env()) if rec.job_id else None
-        state = info.state if info else "GONE"
-        raise ClusterError(f"cluster job {rec.job_id} has no Ray Jobs API yet (SLURM state {state}); "
-                           "wait for 'hpc-verl cluster up' to print the address, or start a new one")
-    return json.loads(path.read_text())
-
-
 def down(ref: str | None = None, wait_timeout_s: float = 120) -> tuple[Any, str]:
-    """scancel the cluster job and wait (bounded) until SLURM reports it ended."""
-    from hpc_verl.launch import slurm
-
+    """Cancel the cluster job and wait (bounded) until its backend reports it ended."""
     rec = find(ref)
-    info = slurm.job_info(rec.job_id, env=rec.env())
-    if info is None or info.terminal:
-        return rec, (info.state if info else "GONE")
-    slurm.scancel(rec.job_id, env=rec.env())
+    backend = backends.for_record(rec)
+    info = backend.describe(rec)
+    if info.terminal:
+        return rec, info.label
+    backend.cancel(rec)
     deadline = time.monotonic() + wait_timeout_s
     while True:
-        info = slurm.job_info(rec.job_id, env=rec.env())
-        if info is None or info.terminal:
-            return rec, (info.state if info else "GONE")
+        info = backend.describe(rec)
+        if info.terminal:
+            return rec, info.label
         if time.monotonic() > deadline:
-            raise ClusterError(f"cluster job {rec.job_id} still {info.state} {wait_timeout_s:g}s after "
+            raise ClusterError(f"cluster job {rec.job_id} still {info.label} {wait_timeout_s:g}s after "
                                f"scancel; check 'squeue -j {rec.job_id}' and the nodes' slurmd logs")
         time.sleep(0.5)

@@ -4,7 +4,7 @@
 Ray Jobs API answers *with the job's token*, then writes ``ray/cluster.json``
 (address, token file, head, node count, Ray version) atomically. ``hpc-verl
 cluster up`` waits for that file, so "ready" means "a submission will work",
-not merely "a process started".
+not merely "a process started" (``bootstrap.raydir.read_cluster_info`` reads it).
 """
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ from typing import Any
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.util.fs import atomic_write_json
 
-CLUSTER_FILE = "cluster.json"
-
 
 def jobs_address(head: dict[str, Any]) -> str:
     """The Jobs API URL clients should use: the head's advertised IP when the dashboard
@@ -31,8 +29,8 @@ def jobs_address(head: dict[str, Any]) -> str:
 
 
 def wait_ready(job_dir: Path, timeout_s: float) -> dict[str, Any]:
-    from hpc_verl.bootstrap.plan import ray_dir as job_ray_dir, token_path
-    from hpc_verl.launch import rayjobs
+    from hpc_verl.bootstrap.raydir import cluster_info_path, ray_dir as job_ray_dir, token_path
+    from hpc_verl.launch.backends import rayjobs_api as rayjobs
 
     ray_dir = job_ray_dir(job_dir)
     head = json.loads((ray_dir / "head.json").read_text())
@@ -53,7 +51,7 @@ def wait_ready(job_dir: Path, timeout_s: float) -> dict[str, Any]:
     info = {"address": address, "token_file": str(token), "head": head.get("node"),
             "gcs_address": head.get("address"), "nodes": plan.get("nodes", []),
             "ray_version": cluster.cluster_version}
-    atomic_write_json(ray_dir / CLUSTER_FILE, info)
+    atomic_write_json(cluster_info_path(job_dir), info)
     return info
 
 

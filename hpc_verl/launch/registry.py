@@ -22,6 +22,11 @@ from hpc_verl.errors import JobNotFoundError
 from hpc_verl.util.fs import atomic_write_json
 
 
+ROLE_JOB = "job"
+ROLE_CLUSTER = "cluster"
+"""A held Ray cluster (``hpc-verl cluster up``): a SLURM job whose Ray takes Ray Jobs submissions."""
+
+
 def home() -> Path:
     env = os.environ.get("HPC_VERL_HOME")
     return Path(env).expanduser() if env else Path.home() / ".local" / "share" / "hpc_verl"
@@ -42,7 +47,7 @@ class JobRecord:
     submitted: float = field(default_factory=time.time)
     script: str = ""
     log_dir: str = ""
-    scheduler: str = "slurm"
+    scheduler: str = "slurm"  # the backend that runs it (a key of hpc_verl.launch.backends.BACKENDS)
     slurm_conf: str | None = None
     nodes: list[str] = field(default_factory=list)
     ports: dict[str, Any] = field(default_factory=dict)
@@ -53,9 +58,8 @@ class JobRecord:
     submission_id: str | None = None
     ray_address: str | None = None
     token_file: str | None = None
-    # "cluster": a held Ray cluster (`hpc-verl cluster up`), whose jobs are submitted into it
-    role: str = "job"
-    # scheduler "local" (hpc_verl.launch.local): the script's pid, where it ran, how it ended
+    role: str = ROLE_JOB  # or ROLE_CLUSTER
+    # scheduler "local" (hpc_verl.launch.backends.local): the script's pid, where it ran, how it ended
     pid: int | None = None
     submit_dir: str = ""
     exit_code: int | None = None
@@ -123,3 +127,12 @@ def find(ref: str) -> JobRecord:
         raise JobNotFoundError(f"job '{ref}' is not in the registry ({jobs_root()}); "
                                "see 'hpc-verl list' for known jobs")
     return matches[-1]
+
+
+def find_cluster(ref: str) -> JobRecord:
+    """A held cluster's record by id or name (a job that is not one is refused in one line)."""
+    rec = find(ref)
+    if rec.role != ROLE_CLUSTER:
+        raise JobNotFoundError(f"job {ref} is not a cluster job (it was submitted with 'hpc-verl submit'); "
+                               "'hpc-verl list' shows all jobs, 'hpc-verl cluster up' starts a cluster")
+    return rec

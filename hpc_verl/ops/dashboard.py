@@ -186,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``verl-scheduler-dashboard``: the same as ``hpc-verl dashboard``."""
-    from hpc_verl.cli.main import OneLineParser
+    from hpc_verl.util.argparser import OneLineParser
 
     parser = OneLineParser(prog="verl-scheduler-dashboard", description="Live view of running dataflow graphs.")
     add_arguments(parser)

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from hpc_verl.errors import ProfileError
-from hpc_verl.util.suggest import unknown_key_message
-
-Check = Callable[[Any], Optional[str]]
+from hpc_verl.util.fields import (Ctx, abs_path, between, build, choice, field_docs, matches, no_control, non_empty,
+                                  path_value, spec)
 
 RUNTIMES = ("docker", "podman", "apptainer", "singularity", "enroot-pyxis", "none")
 ACCELERATORS = ("nvidia", "amd", "fake", "none")
@@ -49,30 +48,6 @@ def parse_size_bytes(text: str) -> int:
 
 
 # ----------------------------------------------------------------------------- checks
-def _no_control(v: str) -> Optional[str]:
-    if "\n" in v or "\r" in v or "\x00" in v:
-        return "must not contain newlines or NUL characters"
-    return None
-
-
-def _matches(regex: re.Pattern, what: str) -> Check:
-    def check(v: Any) -> Optional[str]:
-        return None if regex.match(v) else f"must be {what}, got {v!r}"
-    return check
-
-
-def _choice(options: tuple[str, ...]) -> Check:
-    def check(v: Any) -> Optional[str]:
-        return None if v in options else f"must be one of {', '.join(options)}, got {v!r}"
-    return check
-
-
-def _between(lo: int, hi: int) -> Check:
-    def check(v: Any) -> Optional[str]:
-        return None if lo <= v <= hi else f"must be between {lo} and {hi}, got {v}"
-    return check
-
-
 def _size(v: str) -> Optional[str]:
     try:
         if parse_size_bytes(v) <= 0:
@@ -82,54 +57,27 @@ def _size(v: str) -> Optional[str]:
     return None
 
 
-def _path(v: str) -> Optional[str]:
-    if not v:
-        return "must not be empty"
-    bad = _no_control(v)
-    if bad:
-        return bad
-    if v.startswith("~"):
-        return f"must be absolute or relative to the submit directory ('~' is not expanded), got {v!r}"
-    if ":" in v or "," in v:
-        return f"must not contain ':' or ',' (they separate container mount fields), got {v!r}"
-    return None
-
-
-def _abs_path(v: str) -> Optional[str]:
-    return _path(v) or (None if v.startswith("/") else f"must be an absolute path, got {v!r}")
-
-
 def _mount(v: str) -> Optional[str]:
-    bad = _no_control(v)
-    if bad:
-        return bad
     parts = v.split(":")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-        return f"must be 'SRC:DST' or 'SRC:DST:ro|rw', got {v!r}"
-    for part in parts[:2]:
-        msg = _path(part)
-        if msg:
-            return msg
-    if not parts[1].startswith("/"):
-        return f"destination must be an absolute path inside the container, got {parts[1]!r}"
-    return None
+    if no_control(v) or len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+        return no_control(v) or f"must be 'SRC:DST' or 'SRC:DST:ro|rw', got {v!r}"
+    return path_value(parts[0]) or path_value(parts[1]) or (
+        None if parts[1].startswith("/") else
+        f"destination must be an absolute path inside the container, got {parts[1]!r}")
 
 
 def _device(v: str) -> Optional[str]:
-    msg = _abs_path(v)
-    if msg:
-        return msg
-    return None if v.startswith("/dev/") else f"must be a device path under /dev/, got {v!r}"
+    return abs_path(v) or (None if v.startswith("/dev/") else f"must be a device path under /dev/, got {v!r}")
 
 
 def _signal(v: str) -> Optional[str]:
     if v in ("USR1", "SIGUSR1"):
         return "must not be USR1 (NCCL uses SIGUSR1); use USR2"
-    return _choice(SIGNALS)(v)
+    return choice(SIGNALS)(v)
 
 
 def _env_value(v: str) -> Optional[str]:
-    return _no_control(v)
+    return no_control(v)
 
 
 def _env_name(v: str) -> Optional[str]:
@@ -140,173 +88,147 @@ def _env_name(v: str) -> Optional[str]:
     return None
 
 
-def _each(check: Check) -> Check:
-    def run(values: Any) -> Optional[str]:
-        for item in values:
-            msg = check(item)
-            if msg:
-                return msg
-        return None
-    return run
-
-
-def _flag(v: str) -> Optional[str]:
-    return _no_control(v) or (None if v else "must not be empty")
-
-
-def _f(default: Any = dataclasses.MISSING, *, doc: str, check: Check | None = None,
-       default_factory: Any = dataclasses.MISSING, item_check: Check | None = None,
-       key_check: Check | None = None) -> Any:
-    """A schema field: default, one-line doc, value check, per-item/key checks."""
-    meta = {"doc": doc, "check": check, "item_check": item_check, "key_check": key_check}
-    if default_factory is not dataclasses.MISSING:
-        return field(default_factory=default_factory, metadata=meta)
-    if default is dataclasses.MISSING:
-        return field(metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 # ----------------------------------------------------------------------------- sections
 @dataclass
 class SlurmSection:
     """What the sbatch header asks for."""
 
-    partition: Optional[str] = _f(None, doc="SLURM partition (`--partition`); unset = the site default",
-                                  check=_matches(_SLURM_NAME_RE, "a SLURM name"))
-    account: Optional[str] = _f(None, doc="account to charge (`--account`)",
-                                check=_matches(_SLURM_NAME_RE, "a SLURM name"))
-    qos: Optional[str] = _f(None, doc="quality of service (`--qos`)",
-                            check=_matches(_SLURM_NAME_RE, "a SLURM name"))
-    nodes: int = _f(1, doc="number of nodes (`--nodes`), one container and one Ray node each",
-                    check=_between(1, 10000))
-    gpus_per_node: int = _f(0, doc="GPUs per node; 0 for CPU-only jobs", check=_between(0, 64))
-    gpu_request: str = _f("gpus-per-node", doc="how GPUs are requested: `gpus-per-node` (`--gpus-per-node=N`) "
-                          "or `gres` (`--gres=gpu:N`, older sites)", check=_choice(("gpus-per-node", "gres")))
-    cpus_per_task: int = _f(1, doc="CPUs for the one task per node (`--cpus-per-task`)", check=_between(1, 4096))
-    mem_gb: Optional[int] = _f(None, doc="memory per node in GB (`--mem`); 0 = all of it; unset = site default",
-                               check=_between(0, 65536))
-    time_min: int = _f(60, doc="time limit in minutes (`--time`)", check=_between(1, 525600))
-    constraint: Optional[str] = _f(None, doc="node features (`--constraint`)",
-                                   check=_matches(_CONSTRAINT_RE, "a SLURM constraint expression"))
-    exclusive: bool = _f(False, doc="ask for whole nodes (`--exclusive`)")
-    requeue: bool = _f(True, doc="let SLURM requeue the job after preemption or node failure (`--requeue`)")
-    max_restarts: int = _f(3, doc="how many times the job requeues itself after the preemption signal",
-                           check=_between(0, 100))
-    signal: str = _f("USR2", doc="signal sent before the time limit (`--signal=B:SIG@lead`); never USR1, "
-                     "which NCCL uses", check=_signal)
-    signal_lead_s: int = _f(300, doc="seconds before the time limit that the signal arrives (checkpoint time)",
-                            check=_between(10, 65535))
-    extra_args: list[str] = _f(default_factory=list, doc="more `#SBATCH` options, one `--opt[=value]` each "
-                               "(no spaces or quotes)",
-                               item_check=_matches(_SBATCH_ARG_RE, "an option like '--mail-type=END'"))
+    partition: Optional[str] = spec(None, doc="SLURM partition (`--partition`); unset = the site default",
+                                    check=matches(_SLURM_NAME_RE, "a SLURM name"))
+    account: Optional[str] = spec(None, doc="account to charge (`--account`)",
+                                  check=matches(_SLURM_NAME_RE, "a SLURM name"))
+    qos: Optional[str] = spec(None, doc="quality of service (`--qos`)",
+                              check=matches(_SLURM_NAME_RE, "a SLURM name"))
+    nodes: int = spec(1, doc="number of nodes (`--nodes`), one container and one Ray node each",
+                      check=between(1, 10000))
+    gpus_per_node: int = spec(0, doc="GPUs per node; 0 for CPU-only jobs", check=between(0, 64))
+    gpu_request: str = spec("gpus-per-node", doc="how GPUs are requested: `gpus-per-node` (`--gpus-per-node=N`) "
+                            "or `gres` (`--gres=gpu:N`, older sites)", check=choice(("gpus-per-node", "gres")))
+    cpus_per_task: int = spec(1, doc="CPUs for the one task per node (`--cpus-per-task`)", check=between(1, 4096))
+    mem_gb: Optional[int] = spec(None, doc="memory per node in GB (`--mem`); 0 = all of it; unset = site default",
+                                 check=between(0, 65536))
+    time_min: int = spec(60, doc="time limit in minutes (`--time`)", check=between(1, 525600))
+    constraint: Optional[str] = spec(None, doc="node features (`--constraint`)",
+                                     check=matches(_CONSTRAINT_RE, "a SLURM constraint expression"))
+    exclusive: bool = spec(False, doc="ask for whole nodes (`--exclusive`)")
+    requeue: bool = spec(True, doc="let SLURM requeue the job after preemption or node failure (`--requeue`)")
+    max_restarts: int = spec(3, doc="how many times the job requeues itself after the preemption signal",
+                             check=between(0, 100))
+    signal: str = spec("USR2", doc="signal sent before the time limit (`--signal=B:SIG@lead`); never USR1, "
+                       "which NCCL uses", check=_signal)
+    signal_lead_s: int = spec(300, doc="seconds before the time limit that the signal arrives (checkpoint time)",
+                              check=between(10, 65535))
+    extra_args: list[str] = spec(default_factory=list, doc="more `#SBATCH` options, one `--opt[=value]` each "
+                                 "(no spaces or quotes)",
+                                 item_check=matches(_SBATCH_ARG_RE, "an option like '--mail-type=END'"))
 
 
 @dataclass
 class ContainerSection:
     """One container per node: runtime, image and the flags the site needs."""
 
-    runtime: str = _f("none", doc="`docker`, `podman`, `apptainer`, `singularity`, `enroot-pyxis` "
-                      "(`srun --container-image`) or `none` (run on the host)", check=_choice(RUNTIMES))
-    image: Optional[str] = _f(None, doc="image reference, `.sif` path or enroot image (`nvcr.io#nvidia/pytorch`)",
-                              check=_matches(_IMAGE_RE, "an image reference without spaces or quotes"))
-    shm_size: str = _f("16G", doc="`/dev/shm` size for the container (`--shm-size`), e.g. `128G`", check=_size)
-    init: bool = _f(True, doc="run an init process as PID 1 (`--init`) where the runtime has one")
-    ipc_lock: bool = _f(True, doc="add the IPC_LOCK capability (RDMA memory registration)")
-    memlock_unlimited: bool = _f(True, doc="raise the memlock ulimit to unlimited (`--ulimit memlock=-1:-1`)")
-    global_flags: list[str] = _f(default_factory=list, doc="runtime options before the verb, one argument each "
-                                 "(podman: `--runtime`, `runc`, `--cgroup-manager=cgroupfs`)", item_check=_flag)
-    run_flags: list[str] = _f(default_factory=list, doc="extra options for `run`/`instance start` (for "
-                              "`enroot-pyxis`: extra `srun` options), one argument each (`--ulimit`, "
-                              "`nofile=1024:1024`)", item_check=_flag)
-    mounts: list[str] = _f(default_factory=list, doc="extra bind mounts `SRC:DST[:ro|rw]`; the submit, job, data, "
-                           "model and cache directories are always mounted at their own paths", item_check=_mount)
-    devices: list[str] = _f(default_factory=list, doc="extra host devices to pass in (`/dev/...`)",
-                            item_check=_device)
-    start_timeout_s: int = _f(600, doc="bound on starting the containers on all nodes (image pulls included)",
-                              check=_between(10, 7200))
+    runtime: str = spec("none", doc="`docker`, `podman`, `apptainer`, `singularity`, `enroot-pyxis` "
+                        "(`srun --container-image`) or `none` (run on the host)", check=choice(RUNTIMES))
+    image: Optional[str] = spec(None, doc="image reference, `.sif` path or enroot image (`nvcr.io#nvidia/pytorch`)",
+                                check=matches(_IMAGE_RE, "an image reference without spaces or quotes"))
+    shm_size: str = spec("16G", doc="`/dev/shm` size for the container (`--shm-size`), e.g. `128G`", check=_size)
+    init: bool = spec(True, doc="run an init process as PID 1 (`--init`) where the runtime has one")
+    ipc_lock: bool = spec(True, doc="add the IPC_LOCK capability (RDMA memory registration)")
+    memlock_unlimited: bool = spec(True, doc="raise the memlock ulimit to unlimited (`--ulimit memlock=-1:-1`)")
+    global_flags: list[str] = spec(default_factory=list, doc="runtime options before the verb, one argument each "
+                                   "(podman: `--runtime`, `runc`, `--cgroup-manager=cgroupfs`)", item_check=non_empty)
+    run_flags: list[str] = spec(default_factory=list, doc="extra options for `run`/`instance start` (for "
+                                "`enroot-pyxis`: extra `srun` options), one argument each (`--ulimit`, "
+                                "`nofile=1024:1024`)", item_check=non_empty)
+    mounts: list[str] = spec(default_factory=list, doc="extra bind mounts `SRC:DST[:ro|rw]`; the submit, job, data, "
+                             "model and cache directories are always mounted at their own paths", item_check=_mount)
+    devices: list[str] = spec(default_factory=list, doc="extra host devices to pass in (`/dev/...`)",
+                              item_check=_device)
+    start_timeout_s: int = spec(600, doc="bound on starting the containers on all nodes (image pulls included)",
+                                check=between(10, 7200))
 
 
 @dataclass
 class NetworkSection:
     """Interconnect: where NCCL and Ray talk."""
 
-    transport: str = _f("ethernet", doc="`infiniband`, `roce`, `ethernet` (NCCL over sockets) or `loopback` "
-                        "(single host test beds)", check=_choice(TRANSPORTS))
-    interface: Optional[str] = _f(None, doc="NIC whose IPv4 address the Ray head advertises (e.g. `ib0`, `eth0`); "
-                                  "unset = the address of the default route",
-                                  check=_matches(_IFACE_RE, "a network interface name"))
-    socket_ifname: Optional[str] = _f(None, doc="`NCCL_SOCKET_IFNAME` / `GLOO_SOCKET_IFNAME` (e.g. `eth0` or "
-                                      "`^lo,docker`); unset = `interface`",
-                                      check=_matches(_SOCKET_IFNAME_RE, "interface names like 'eth0' or '^lo,docker'"))
-    ib_hcas: list[str] = _f(default_factory=list, doc="HCAs for `NCCL_IB_HCA` (e.g. `mlx5_0:1`)",
-                            item_check=_matches(_HCA_RE, "an HCA name like 'mlx5_0' or 'mlx5_0:1'"))
-    gid_index: Optional[int] = _f(None, doc="RoCE GID index (`NCCL_IB_GID_INDEX`); required for `roce`",
-                                  check=_between(0, 255))
-    ib_devices: list[str] = _f(default_factory=lambda: ["/dev/infiniband"], doc="device paths passed to the "
-                               "container for `infiniband`/`roce`", item_check=_device)
-    allow_loopback: bool = _f(False, doc="let the Ray head advertise a loopback address (test beds where all "
-                              "'nodes' share one host)")
+    transport: str = spec("ethernet", doc="`infiniband`, `roce`, `ethernet` (NCCL over sockets) or `loopback` "
+                          "(single host test beds)", check=choice(TRANSPORTS))
+    interface: Optional[str] = spec(None, doc="NIC whose IPv4 address the Ray head advertises (e.g. `ib0`, `eth0`); "
+                                    "unset = the address of the default route",
+                                    check=matches(_IFACE_RE, "a network interface name"))
+    socket_ifname: Optional[str] = spec(None, doc="`NCCL_SOCKET_IFNAME` / `GLOO_SOCKET_IFNAME` (e.g. `eth0` or "
+                                        "`^lo,docker`); unset = `interface`",
+                                        check=matches(_SOCKET_IFNAME_RE, "interface names like 'eth0' or '^lo,docker'"))
+    ib_hcas: list[str] = spec(default_factory=list, doc="HCAs for `NCCL_IB_HCA` (e.g. `mlx5_0:1`)",
+                              item_check=matches(_HCA_RE, "an HCA name like 'mlx5_0' or 'mlx5_0:1'"))
+    gid_index: Optional[int] = spec(None, doc="RoCE GID index (`NCCL_IB_GID_INDEX`); required for `roce`",
+                                    check=between(0, 255))
+    ib_devices: list[str] = spec(default_factory=lambda: ["/dev/infiniband"], doc="device paths passed to the "
+                                 "container for `infiniband`/`roce`", item_check=_device)
+    allow_loopback: bool = spec(False, doc="let the Ray head advertise a loopback address (test beds where all "
+                                "'nodes' share one host)")
 
 
 @dataclass
 class EnvSection:
     """Environment exported before Ray starts, on every node and in every container."""
 
-    hf_offline: bool = _f(True, doc="set `HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE` and `HF_DATASETS_OFFLINE` to 1 "
-                          "(no hub downloads in jobs)")
-    tokenizers_parallelism: bool = _f(False, doc="value of `TOKENIZERS_PARALLELISM`")
-    cuda_device_max_connections: Optional[int] = _f(1, doc="`CUDA_DEVICE_MAX_CONNECTIONS` (1 for Megatron-style "
-                                                    "overlap); unset to leave it alone", check=_between(1, 32))
-    nccl_debug: Optional[str] = _f(None, doc="`NCCL_DEBUG` level", check=_choice(NCCL_DEBUG_LEVELS))
-    vars: dict[str, str] = _f(default_factory=dict, doc="more variables, `NAME: value` (values are quoted)",
-                              key_check=_env_name, item_check=_env_value)
+    hf_offline: bool = spec(True, doc="set `HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE` and `HF_DATASETS_OFFLINE` to 1 "
+                            "(no hub downloads in jobs)")
+    tokenizers_parallelism: bool = spec(False, doc="value of `TOKENIZERS_PARALLELISM`")
+    cuda_device_max_connections: Optional[int] = spec(1, doc="`CUDA_DEVICE_MAX_CONNECTIONS` (1 for Megatron-style "
+                                                      "overlap); unset to leave it alone", check=between(1, 32))
+    nccl_debug: Optional[str] = spec(None, doc="`NCCL_DEBUG` level", check=choice(NCCL_DEBUG_LEVELS))
+    vars: dict[str, str] = spec(default_factory=dict, doc="more variables, `NAME: value` (values are quoted)",
+                                key_check=_env_name, item_check=_env_value)
 
 
 @dataclass
 class RaySection:
     """Ray cluster inside the job. Ports are derived from the job id at run time."""
 
-    port_base: int = _f(20000, doc="first port of the range Ray ports are carved from", check=_between(1024, 65000))
-    port_stride: int = _f(100, doc="ports per job: job `J` uses `port_base + (J % port_slots) * port_stride` "
-                          "and the `port_stride` ports after it", check=_between(20, 10000))
-    port_slots: int = _f(120, doc="number of port blocks (jobs sharing a node never collide unless their ids "
-                         "are equal modulo this); the default range 20000-31999 stays below the kernel's "
-                         "ephemeral ports (32768+)", check=_between(1, 10000))
-    readiness_timeout_s: int = _f(300, doc="bound of the readiness barrier (all nodes and GPUs registered)",
-                                  check=_between(5, 7200))
-    temp_dir_root: str = _f("/tmp/hpcv-ray", doc="root of the per-job Ray `--temp-dir` (keep it short: Unix "
-                            "socket paths are limited to 107 bytes)", check=_abs_path)
-    python: str = _f("python3", doc="Python executable used for Ray and the trainer (inside the container)",
-                     check=_matches(_EXEC_RE, "an executable name or path"))
-    dashboard: bool = _f(False, doc="start the Ray dashboard on the head node (port from the job's block)")
+    port_base: int = spec(20000, doc="first port of the range Ray ports are carved from", check=between(1024, 65000))
+    port_stride: int = spec(100, doc="ports per job: job `J` uses `port_base + (J % port_slots) * port_stride` "
+                            "and the `port_stride` ports after it", check=between(20, 10000))
+    port_slots: int = spec(120, doc="number of port blocks (jobs sharing a node never collide unless their ids "
+                           "are equal modulo this); the default range 20000-31999 stays below the kernel's "
+                           "ephemeral ports (32768+)", check=between(1, 10000))
+    readiness_timeout_s: int = spec(300, doc="bound of the readiness barrier (all nodes and GPUs registered)",
+                                    check=between(5, 7200))
+    temp_dir_root: str = spec("/tmp/hpcv-ray", doc="root of the per-job Ray `--temp-dir` (keep it short: Unix "
+                              "socket paths are limited to 107 bytes)", check=abs_path)
+    python: str = spec("python3", doc="Python executable used for Ray and the trainer (inside the container)",
+                       check=matches(_EXEC_RE, "an executable name or path"))
+    dashboard: bool = spec(False, doc="start the Ray dashboard on the head node (port from the job's block)")
 
 
 @dataclass
 class PathsSection:
     """Shared-filesystem locations, absolute or relative to the submit directory."""
 
-    job_root: str = _f("jobs", doc="run directories go to `<job_root>/<job name>-<job id>`", check=_path)
-    data_dir: str = _f("data", doc="datasets (raw input and preprocessed parquet)", check=_path)
-    model_dir: str = _f("models", doc="model checkpoints and tokenizers to start from", check=_path)
-    cache_dir: str = _f(".cache/hpc_verl", doc="caches (`HF_HOME` is `<cache_dir>/huggingface`)", check=_path)
+    job_root: str = spec("jobs", doc="run directories go to `<job_root>/<job name>-<job id>`", check=path_value)
+    data_dir: str = spec("data", doc="datasets (raw input and preprocessed parquet)", check=path_value)
+    model_dir: str = spec("models", doc="model checkpoints and tokenizers to start from", check=path_value)
+    cache_dir: str = spec(".cache/hpc_verl", doc="caches (`HF_HOME` is `<cache_dir>/huggingface`)", check=path_value)
 
 
 @dataclass
 class Profile:
     """A resolved cluster profile (after `extends:` and overrides)."""
 
-    name: str = _f("", doc="profile name (the file name without `.yaml`; not set in the file)")
-    description: str = _f("", doc="one line shown by `hpc-verl profiles list`", check=_no_control)
-    scheduler: str = _f("slurm", doc="`slurm` (sbatch/srun) or `local` (this machine, no SLURM)",
-                        check=_choice(SCHEDULERS))
-    accelerator: str = _f("nvidia", doc="`nvidia`, `amd`, `fake` (test bed: SLURM GPUs that are placeholder "
-                          "files; only the visible-device variables are set) or `none`", check=_choice(ACCELERATORS))
-    slurm: SlurmSection = _f(default_factory=SlurmSection, doc="sbatch resources and preemption")
-    container: ContainerSection = _f(default_factory=ContainerSection, doc="container runtime")
-    network: NetworkSection = _f(default_factory=NetworkSection, doc="interconnect")
-    env: EnvSection = _f(default_factory=EnvSection, doc="exported environment")
-    ray: RaySection = _f(default_factory=RaySection, doc="Ray bootstrap")
-    paths: PathsSection = _f(default_factory=PathsSection, doc="shared-filesystem paths")
+    name: str = spec("", doc="profile name (the file name without `.yaml`; not set in the file)")
+    description: str = spec("", doc="one line shown by `hpc-verl profiles list`", check=no_control)
+    scheduler: str = spec("slurm", doc="`slurm` (sbatch/srun) or `local` (this machine, no SLURM)",
+                          check=choice(SCHEDULERS))
+    accelerator: str = spec("nvidia", doc="`nvidia`, `amd`, `fake` (test bed: SLURM GPUs that are placeholder "
+                            "files; only the visible-device variables are set) or `none`", check=choice(ACCELERATORS))
+    slurm: SlurmSection = spec(default_factory=SlurmSection, doc="sbatch resources and preemption")
+    container: ContainerSection = spec(default_factory=ContainerSection, doc="container runtime")
+    network: NetworkSection = spec(default_factory=NetworkSection, doc="interconnect")
+    env: EnvSection = spec(default_factory=EnvSection, doc="exported environment")
+    ray: RaySection = spec(default_factory=RaySection, doc="Ray bootstrap")
+    paths: PathsSection = spec(default_factory=PathsSection, doc="shared-filesystem paths")
     source: str = field(default="", compare=False, repr=False)
     provenance: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -347,134 +269,21 @@ def section_classes() -> dict[str, type]:
 
 def schema_fields(cls: type = Profile, prefix: str = ""):
     """Yield (dotted name, type text, default, doc) for every documented field."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if "doc" not in f.metadata:
-            continue
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            yield from schema_fields(tp, f"{prefix}{f.name}.")
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-            default = f.default_factory()  # type: ignore[misc]
-        else:
-            default = dataclasses.MISSING
-        yield f"{prefix}{f.name}", _type_text(tp), default, f.metadata["doc"]
-
-
-def _type_text(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union and type(None) in args:
-        return _type_text([a for a in args if a is not type(None)][0]) + " (optional)"
-    if origin is list:
-        return f"list of {_type_text(args[0])}"
-    if origin is dict:
-        return f"mapping {_type_text(args[0])} → {_type_text(args[1])}"
-    return {int: "integer", str: "string", bool: "boolean"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return field_docs(cls, prefix)
 
 
 # ----------------------------------------------------------------------------- building
-class _Ctx:
-    """Formats one-line errors: profile, file:line of the offending key, the key."""
-
-    def __init__(self, profile: str, where: Callable[[str], str]):
-        self.profile = profile
-        self.where = where
-
-    def fail(self, key: str, problem: str, fix: str = "") -> ProfileError:
-        loc = self.where(key)
-        msg = f"profile '{self.profile}' ({loc}): {key} {problem}"
-        if fix:
-            msg += f"; {fix}"
-        return ProfileError(msg)
-
-
-def _convert(value: Any, tp: Any, key: str, ctx: _Ctx) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Union and type(None) in args:
-        if value is None:
-            return None
-        return _convert(value, [a for a in args if a is not type(None)][0], key, ctx)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ctx.fail(key, f"must be a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}, "
-                           f"got {type(value).__name__}")
-        return _build(tp, value, ctx, key + ".")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ctx.fail(key, f"must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ctx.fail(key, f"must be an integer, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ctx.fail(key, f"must be a string, got {value!r}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise ctx.fail(key, f"must be a list, got {value!r}")
-        return [_convert(v, args[0], f"{key}[{i}]", ctx) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ctx.fail(key, f"must be a mapping, got {value!r}")
-        return {str(k): _convert(v, args[1], f"{key}.{k}", ctx) for k, v in value.items()}
-    raise AssertionError(f"unsupported schema type {tp!r}")  # pragma: no cover
-
-
-def _build(cls: type, data: dict[str, Any], ctx: _Ctx, prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if "doc" in f.metadata}
-    for key in data:
-        if key not in fields or (cls is Profile and key == "name"):
-            valid = [n for n in fields if not (cls is Profile and n == "name")]
-            if cls is Profile:
-                valid += list(META_KEYS)
-            section = f"section '{prefix[:-1]}'" if prefix else "top level"
-            raise ProfileError(f"profile '{ctx.profile}' ({ctx.where(prefix + str(key))}): "
-                               + unknown_key_message(str(key), section, valid))
-    kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        if name not in data:
-            continue
-        key = prefix + name
-        value = _convert(data[name], hints[name], key, ctx)
-        meta = f.metadata
-        if value is not None:
-            if meta["check"] and (msg := meta["check"](value)):
-                raise ctx.fail(key, msg)
-            if isinstance(value, dict):
-                for k, v in value.items():
-                    if meta["key_check"] and (msg := meta["key_check"](k)):
-                        raise ctx.fail(f"{key}.{k}", msg)
-                    if meta["item_check"] and (msg := meta["item_check"](v)):
-                        raise ctx.fail(f"{key}.{k}", msg)
-            elif isinstance(value, list) and meta["item_check"]:
-                for i, v in enumerate(value):
-                    if msg := meta["item_check"](v):
-                        raise ctx.fail(f"{key}[{i}]", msg)
-        kwargs[name] = value
-    return cls(**kwargs)
-
-
 def build_profile(name: str, data: dict[str, Any], where: Callable[[str], str]) -> Profile:
     """Typed, checked Profile from a merged mapping; raises ProfileError (one line)."""
-    ctx = _Ctx(name, where)
+    ctx = Ctx(lambda key: f"profile '{name}' ({where(key)})", ProfileError)
     body = {k: v for k, v in data.items() if k not in META_KEYS}
-    profile: Profile = _build(Profile, {**body}, ctx)
+    profile: Profile = build(Profile, body, ctx, hidden=("name",), also_valid=META_KEYS)
     profile.name = name
     _check_consistency(profile, ctx)
     return profile
 
 
-def _check_consistency(p: Profile, ctx: _Ctx) -> None:
+def _check_consistency(p: Profile, ctx: Ctx) -> None:
     """Rules that involve more than one field."""
     c, n, s, r = p.container, p.network, p.slurm, p.ray
     if c.runtime != "none" and not c.image:

@@ -2,12 +2,17 @@
 
 They extend the shipped ``testbed`` / ``testbed-podman`` profiles with what only
 this machine knows: the Python that has Ray and the project, the podman image
-built here (which holds them), a short Ray temp root, and a port base below
-the kernel's ephemeral range. The test bed is loopback-only by nature (both
-slurmd on one host), hence ``network.allow_loopback: true`` in the shipped ones.
+built here (which holds them), a short Ray temp root, and Ray ports below the
+kernel's ephemeral range. Every test bed numbers its jobs from 1, so two test
+beds on one machine (several people running the suite) would give job N the same
+port block at the same moment; each bed therefore gets its own range of
+``PORT_SLOTS`` blocks, picked at random (the node's port probe handles the rest).
+The test bed is loopback-only by nature (both slurmd on one host), hence
+``network.allow_loopback: true`` in the shipped ones.
 """
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -16,14 +21,22 @@ import yaml
 from hpc_verl.util.fs import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[2]
+PORT_STRIDE = 100
+PORT_SLOTS = 10  # a bed runs a few jobs at once; ids wrap within its own range
 
 
 def write_profiles(directory: str | Path, python: str | None = None, temp_root: str = "/tmp/hpcv-tb",
-                   image: str | None = None, readiness_timeout_s: int = 60) -> Path:
-    """Write ``testbed-local.yaml`` (and ``testbed-podman-local.yaml`` when ``image``); returns the dir."""
+                   image: str | None = None, readiness_timeout_s: int = 60, port_base: int | None = None) -> Path:
+    """Write ``testbed-local.yaml`` (and ``testbed-podman-local.yaml`` when ``image``); returns the dir.
+
+    ``port_base``: the bed's first Ray port (default: one of 22000..31000 in steps of a
+    thousand, at random: below the kernel's ephemeral ports, and above the blocks of the
+    first jobs of a bed laid out with the schema's defaults, 20000 + job id x 100)."""
     d = Path(directory)
     py = python or sys.executable
-    ray = {"python": py, "port_base": 20000, "port_stride": 100, "port_slots": 120,
+    if port_base is None:
+        port_base = 20000 + PORT_SLOTS * PORT_STRIDE * random.SystemRandom().randrange(2, 12)
+    ray = {"python": py, "port_base": port_base, "port_stride": PORT_STRIDE, "port_slots": PORT_SLOTS,
            "temp_dir_root": temp_root, "readiness_timeout_s": readiness_timeout_s}
     env = {"vars": {"PYTHONPATH": str(REPO)}}
     local = {"description": "this machine's SLURM test bed, no container (generated)", "extends": "testbed",

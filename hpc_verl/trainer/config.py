@@ -15,6 +15,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import yaml
 
 from hpc_verl.errors import ConfigError
+from hpc_verl.util.batch_rules import ROLES as BATCH_ROLES
+from hpc_verl.util.batch_rules import batch_problems
 from hpc_verl.util.dotted import get_path
 from hpc_verl.util.suggest import did_you_mean, unknown_key_message
 from hpc_verl.util.yamlfile import read_yaml
@@ -387,97 +389,27 @@ def n_gpus_total(cfg: Mapping) -> int:
     return int(trainer.get("nnodes", 1)) * int(trainer.get("n_gpus_per_node", 0))
 
 
-def _get(cfg: Mapping, dotted: str, default: Any = None) -> Any:
-    """``get_path``, with an explicit null counting as unset (verl's YAML writes ``key: null``)."""
-    value = get_path(cfg, dotted)
-    return default if value is None else value
-
-
 def check_batch_arithmetic(cfg_dict: Mapping, n_gpus_total: int) -> list[str]:
-    """Problems with batch sizes against the GPU count, one line each (empty: fine).
+    """Problems with batch sizes when every role runs on ``n_gpus_total`` GPUs (0: CPU), one line each.
 
-    Works on any verl-style nested dict (missing keys take verl's defaults), so it
-    can check upstream verl jobs too. ``n_gpus_total`` 0 means CPU: no per-GPU
-    divisibility then, a single worker does everything.
+    The rules, defaults and wording are ``hpc_verl.util.batch_rules``, the ones the
+    launcher checks upstream verl jobs with; a trainer whose roles have their own GPU
+    groups passes each group's size to ``batch_problems`` instead.
     """
-    problems: list[str] = []
-    n = int(_get(cfg_dict, "actor_rollout_ref.rollout.n", 1))
-    train_bs = _get(cfg_dict, "data.train_batch_size", 1024)
-    world = n_gpus_total if n_gpus_total and n_gpus_total > 0 else 1
-    if not isinstance(train_bs, int) or train_bs <= 0:
-        return [f"data.train_batch_size must be a positive integer, got {train_bs!r}"]
-    responses = train_bs * n
-    if n_gpus_total > 0 and responses % n_gpus_total:
-        problems.append(
-            f"data.train_batch_size ({train_bs}) x actor_rollout_ref.rollout.n ({n}) = {responses} responses is "
-            f"not divisible by {n_gpus_total} GPUs; pick a multiple of {n_gpus_total // _gcd(n, n_gpus_total)} "
-            "for data.train_batch_size")
-    for role, prefix in (("actor", "actor_rollout_ref.actor"), ("critic", "critic")):
-        if role == "critic":
-            enabled = _get(cfg_dict, "critic.enable", None)
-            if enabled is None:
-                enabled = _get(cfg_dict, "algorithm.adv_estimator", "gae") == "gae"
-            if not enabled:
-                continue
-        mini = _get(cfg_dict, f"{prefix}.ppo_mini_batch_size",
-                    _get(cfg_dict, "actor_rollout_ref.actor.ppo_mini_batch_size", 256))
-        if not isinstance(mini, int) or mini <= 0:
-            problems.append(f"{prefix}.ppo_mini_batch_size must be a positive integer, got {mini!r}")
-            continue
-        if mini > train_bs:
-            problems.append(f"{prefix}.ppo_mini_batch_size ({mini}) is larger than data.train_batch_size "
-                            f"({train_bs}); lower it to at most {train_bs}")
-            continue
-        mini_responses = mini * n
-        if n_gpus_total > 0 and mini_responses % n_gpus_total:
-            problems.append(
-                f"{prefix}.ppo_mini_batch_size ({mini}) x rollout.n ({n}) = {mini_responses} is not divisible by "
-                f"{n_gpus_total} GPUs; each GPU must get an equal share of a mini-batch")
-            continue
-        per_gpu = mini_responses // world
-        micro = _get(cfg_dict, f"{prefix}.ppo_micro_batch_size_per_gpu", None)
-        micro_global = _get(cfg_dict, f"{prefix}.ppo_micro_batch_size", None)
-        if micro is not None and micro_global is not None:
-            problems.append(f"{prefix}: set only one of ppo_micro_batch_size and ppo_micro_batch_size_per_gpu "
-                            "(the first is deprecated in verl)")
-            continue
-        if micro is None and micro_global is not None:
-            if not isinstance(micro_global, int) or micro_global <= 0 or micro_global % world:
-                problems.append(f"{prefix}.ppo_micro_batch_size ({micro_global}) must be a positive multiple "
-                                f"of the {world} GPUs")
-                continue
-            micro = micro_global // world
-        if micro is None:
-            continue
-        if not isinstance(micro, int) or micro <= 0:
-            problems.append(f"{prefix}.ppo_micro_batch_size_per_gpu must be a positive integer, got {micro!r}")
-        elif per_gpu % micro:
-            problems.append(
-                f"{prefix}.ppo_micro_batch_size_per_gpu ({micro}) does not divide the per-GPU mini-batch "
-                f"({mini} x n={n} / {world} GPU(s) = {per_gpu} responses); use a divisor of {per_gpu}")
-    return problems
-
-
-def _gcd(a: int, b: int) -> int:
-    import math
-    return math.gcd(a, b) or 1
+    return batch_problems(cfg_dict, {role: n_gpus_total for role in BATCH_ROLES})
 
 
 def batch_problems_for(cfg: Mapping) -> list[str]:
-    """Batch arithmetic against the real data-parallel sizes: the actor's and the critic's
-    worker groups (CPU ranks count like GPUs: every rank takes an equal share)."""
+    """Batch arithmetic against the real sizes of the roles' worker groups (CPU ranks count
+    like GPUs: every rank takes an equal share of a mini-batch)."""
     from hpc_verl.trainer.topology import topology
 
     topo = topology(cfg)
-
-    def world(role: str) -> int:
+    sizes = {}
+    for role in BATCH_ROLES:
         g = topo.group_of(role)
-        return g.world_size if g else 1
-
-    problems = [p for p in check_batch_arithmetic(cfg, world("actor")) if not p.startswith("critic")]
-    if cfg["critic"]["enable"]:
-        problems += [p for p in check_batch_arithmetic(cfg, world("critic")) if p.startswith("critic")]
-    return problems
+        sizes[role] = g.world_size if g else 1
+    return batch_problems(cfg, sizes)
 
 
 def validate_for_run(cfg: Mapping) -> None:

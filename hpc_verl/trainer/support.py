@@ -104,4 +104,6 @@ def derive_micro_batches(cfg: dict) -> None:
                               f"{role}; or set {rank_key} instead")
         parent, leaf = rank_key.rsplit(".", 1)
         get_path(cfg, parent)[leaf] = g // world
+        gparent, gleaf = global_key.rsplit(".", 1)
+        get_path(cfg, gparent)[gleaf] = None   # one of the pair is set, as verl requires
 

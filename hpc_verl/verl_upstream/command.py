@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.launch.batch_checks import check_ppo_arithmetic
+from hpc_verl.util.batch_rules import check_ppo_arithmetic
 from hpc_verl.verl_upstream import config as vconfig
 from hpc_verl.verl_upstream.overrides import (Override, check_overrides, one_line, override_map,
                                               parse_overrides)

@@ -3,7 +3,7 @@
 ``build_plan`` is the one entry point that turns (profile, job config, trainer
 overrides) into a printable ``LaunchPlan``; ``render`` does the templating and
 ``validate_script`` the static checks (``bash -n``, shellcheck). Submission is
-elsewhere (``hpc_verl.launch.slurm``).
+elsewhere (``hpc_verl.launch.backends``).
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from hpc_verl.errors import RenderError
-from hpc_verl.launch.jobconfig import JobConfig, load_job_config
-from hpc_verl.launch.render import STAGES, derived_overrides, render_sbatch, sbatch_options
+from hpc_verl.launch.spec.jobconfig import JobConfig, load_job_config
+from hpc_verl.launch.spec.render import STAGES, derived_overrides, job_stages, render_sbatch, sbatch_options
 from hpc_verl.profiles import Profile, load_profile
 from hpc_verl.util.fs import atomic_write_text
 
@@ -75,8 +75,12 @@ class LaunchPlan:
 
 
 def build_plan(profile: Union[Profile, str], job_config: Union[JobConfig, str, None] = None,
-               overrides: Optional[list[str]] = None, *, profile_overrides: Optional[list[str]] = None) -> LaunchPlan:
-    """Resolve inputs and render. ``overrides`` are trainer ``key=value``; ``profile_overrides`` are ``--set``."""
+               overrides: Optional[list[str]] = None, *, profile_overrides: Optional[list[str]] = None,
+               hold: bool = False) -> LaunchPlan:
+    """Resolve inputs and render. ``overrides`` are trainer ``key=value``; ``profile_overrides`` are ``--set``.
+
+    ``hold``: a cluster job (``hpc-verl cluster up``) that keeps Ray up in place of training,
+    so its trainer is not checked."""
     if not isinstance(profile, Profile):
         profile = load_profile(profile, profile_overrides)
     elif profile_overrides:
@@ -88,12 +92,12 @@ def build_plan(profile: Union[Profile, str], job_config: Union[JobConfig, str, N
             job.trainer.overrides.update(extra.trainer.overrides)
     else:
         job = load_job_config(job_config, overrides)
-    # trainer keys and batch arithmetic, before anything is rendered or submitted
-    from hpc_verl.launch.verl import validate_job_trainer
-    validate_job_trainer(profile, job)
-    script = render_sbatch(profile, job)
+    if not hold:  # trainer keys and batch arithmetic, before anything is rendered or submitted
+        from hpc_verl.launch.spec.trainer_check import validate_job_trainer
+        validate_job_trainer(profile, job)
+    script = render_sbatch(profile, job, hold=hold)
     opts = sbatch_options(profile, job) if profile.scheduler == "slurm" else []
-    return LaunchPlan(profile=profile, job=job, script=script, sbatch_options=opts)
+    return LaunchPlan(profile=profile, job=job, script=script, sbatch_options=opts, stages=job_stages(hold))
 
 
 def validate_script(script: str, *, shellcheck: bool = True) -> list[str]:

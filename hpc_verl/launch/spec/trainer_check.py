@@ -7,7 +7,8 @@ only. A job chooses its trainer with ``trainer.module`` in the job file:
 config, compose with it, and satisfy the batch arithmetic on the profile's
 allocation; ``trainer.nnodes``/``trainer.n_gpus_per_node`` come from the
 allocation and a disagreeing override is refused. The built-in trainer's config
-gets the same allocation and arithmetic checks through its own loader.
+(through its own loader, with its defaults) gets the same allocation checks and the
+same arithmetic (``hpc_verl.util.batch_rules``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.launch.batch_checks import check_trainer_config
+from hpc_verl.util.batch_rules import check_ppo_arithmetic
 from hpc_verl.verl_upstream.command import MODULE as VERL_MODULE
 from hpc_verl.verl_upstream.command import Allocation, VerlCommand, VerlNotInstalledWarning, build_verl_command
 
@@ -88,7 +89,7 @@ def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck
                                                        if o.split("=", 1)[0].lstrip("+~") not in ALLOCATION_KEYS]])
     except ConfigError as exc:
         raise ConfigError(f"job config {_source(job)}: {exc}") from None
-    problems = check_trainer_config(cfg, alloc.nnodes, gpus)
+    problems = check_ppo_arithmetic(cfg, alloc.nnodes, gpus)
     if problems:
         extra = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConfigError(f"job config {_source(job)} on {alloc.source}: {problems[0]}{extra}")

@@ -1,4 +1,4 @@
-"""Run a job on a Ray cluster that already exists, through Ray's Jobs API.
+"""Talking to a running Ray cluster's Jobs API: connect, submit, state, logs, stop.
 
 This is the second way people run verl (seed 003, sections 2 and 4): a Ray
 cluster is up (started by hand, by an admin, or by ``hpc-verl cluster up``), and
@@ -6,7 +6,8 @@ the training driver is sent to it like ``ray job submit --runtime-env ...
 --no-wait -- python3 -m verl.trainer.main_ppo ...``. We do the same through
 ``ray.job_submission.JobSubmissionClient`` (never a shell-out), so errors are
 ours to explain: an unreachable address, a missing or wrong token, a Ray that is
-too old, a failed driver each become one line with a fix.
+too old, a failed driver each become one line with a fix. What to send, and the
+registry, are the Ray Jobs backend's (``backends/rayjobs.py``).
 
 Token authentication (Ray >= 2.52 turns it on for new clusters; the dashboard's
 HTTP middleware checks ``Authorization: Bearer <token>``): we read the token from
@@ -22,18 +23,16 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import secrets
-import shlex
 import sys
 import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, TextIO
+from typing import Any, Callable, Iterator, Mapping, TextIO
 
 from hpc_verl.errors import SubmitError
+from hpc_verl.launch.backends.base import JobState
 from hpc_verl.util.versions import RAY_MIN_VERSION, version_tuple  # (verl's minimum: older Jobs APIs differ)
 
 DEFAULT_CONNECT_TIMEOUT_S = 20.0
@@ -41,15 +40,14 @@ DEFAULT_CONNECT_TIMEOUT_S = 20.0
 FAILED_LOG_LINES = 20
 """How many last log lines a 'job failed' error shows."""
 
-# Ray JobStatus -> the state vocabulary `hpc-verl status` uses for SLURM jobs too.
+# Ray JobStatus -> the job-state vocabulary every backend uses.
 _STATE_OF_RAY_STATUS = {
-    "PENDING": "PENDING",
-    "RUNNING": "RUNNING",
-    "SUCCEEDED": "COMPLETED",
-    "FAILED": "FAILED",
-    "STOPPED": "CANCELLED",
+    "PENDING": JobState.PENDING,
+    "RUNNING": JobState.RUNNING,
+    "SUCCEEDED": JobState.COMPLETED,
+    "FAILED": JobState.FAILED,
+    "STOPPED": JobState.CANCELLED,
 }
-TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 
 # Variables through which Ray's own client would silently replace the address we
 # were given: `--ray-address` must mean what it says.
@@ -253,15 +251,15 @@ class RayCluster:
         with self._errors("query", submission_id):
             return self.client.get_job_info(submission_id)
 
-    def state(self, submission_id: str) -> str:
-        """PENDING / RUNNING / COMPLETED / FAILED / CANCELLED (SLURM's words)."""
+    def state(self, submission_id: str) -> JobState:
+        """PENDING / RUNNING / COMPLETED / FAILED / CANCELLED."""
         return state_of(self.info(submission_id).status)
 
     def logs(self, submission_id: str) -> str:
         with self._errors("read logs of", submission_id):
             return self.client.get_job_logs(submission_id)
 
-    def follow(self, submission_id: str, write: Callable[[str], Any]) -> str:
+    def follow(self, submission_id: str, write: Callable[[str], Any]) -> JobState:
         """Stream the driver's output until the job ends; returns the final state."""
         async def _tail() -> None:
             async for chunk in self.client.tail_job_logs(submission_id):
@@ -275,7 +273,7 @@ class RayCluster:
         deadline = time.monotonic() + 10
         while True:
             state = self.state(submission_id)
-            if state in TERMINAL_STATES or time.monotonic() > deadline:
+            if state.terminal or time.monotonic() > deadline:
                 return state
             time.sleep(0.2)
 
@@ -285,12 +283,12 @@ class RayCluster:
             return bool(self.client.stop_job(submission_id))
 
     def wait(self, submission_id: str, timeout_s: float | None = None,
-             poll_s: float = 0.5) -> str:
+             poll_s: float = 0.5) -> JobState:
         """Block until the job is terminal; returns its state (no exception on failure)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             state = self.state(submission_id)
-            if state in TERMINAL_STATES:
+            if state.terminal:
                 return state
             if deadline is not None and time.monotonic() > deadline:
                 return state
@@ -373,10 +371,10 @@ def _quiet_ray_client_logs() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def state_of(ray_status: Any) -> str:
-    """Ray's JobStatus (enum or string) -> our state word."""
-    raw = getattr(ray_status, "value", ray_status)
-    return _STATE_OF_RAY_STATUS.get(str(raw).upper(), str(raw).upper())
+def state_of(ray_status: Any) -> JobState:
+    """Ray's JobStatus (enum or string) -> our state (UNKNOWN for a status this Ray added)."""
+    raw = str(getattr(ray_status, "value", ray_status)).upper()
+    return _STATE_OF_RAY_STATUS.get(raw, JobState.UNKNOWN)
 
 
 def short_message(message: str | None) -> str:
@@ -388,107 +386,6 @@ def short_message(message: str | None) -> str:
 def last_lines(text: str, n: int = FAILED_LOG_LINES) -> str:
     lines = [ln for ln in (text or "").rstrip("\n").splitlines()]
     return "\n".join(lines[-n:])
-
-
-# --------------------------------------------------------------------------- what to run
-
-
-BUILTIN_TRAINER_MODULE = "hpc_verl.trainer.main"
-VERL_TRAINER_MODULE = "verl.trainer.main_ppo"
-
-
-@dataclass
-class DriverSpec:
-    """The driver process Ray runs: the built-in trainer, upstream verl, or any command."""
-
-    argv: list[str]
-
-    @classmethod
-    def for_module(cls, module: str, args: Sequence[str] = (), python: str = "python3") -> "DriverSpec":
-        return cls([python, "-m", module, *args])
-
-    @classmethod
-    def for_trainer(cls, trainer: str, overrides: Sequence[str] = (),
-                    python: str = "python3") -> "DriverSpec":
-        """``builtin`` (hpc_verl.trainer.main) or ``verl`` (verl.trainer.main_ppo)."""
-        module = {"builtin": BUILTIN_TRAINER_MODULE, "verl": VERL_TRAINER_MODULE}.get(trainer)
-        if module is None:
-            raise RayJobsError(f"unknown trainer '{trainer}'; use builtin or verl (or give a command)")
-        return cls.for_module(module, overrides, python)
-
-    @classmethod
-    def for_command(cls, command: Sequence[str], args: Sequence[str] = ()) -> "DriverSpec":
-        if not command or not all(isinstance(c, str) and c for c in command):
-            raise RayJobsError("the driver command must be a non-empty list of strings "
-                               "(e.g. [python3, train.py])")
-        return cls([*command, *args])
-
-    @property
-    def module(self) -> str | None:
-        """The ``-m`` module the driver runs, if any."""
-        if "-m" in self.argv[:-1]:
-            return self.argv[self.argv.index("-m") + 1]
-        return None
-
-    @property
-    def runs_hpc_verl(self) -> bool:
-        return (self.module or "").split(".")[0] == "hpc_verl"
-
-    def entrypoint(self) -> str:
-        """The shell line Ray runs; every piece quoted (Ray passes it to a shell)."""
-        return shlex.join(self.argv)
-
-
-def build_runtime_env(env_vars: Mapping[str, Any] | None = None, *,
-                      working_dir: str | os.PathLike[str] | None = None,
-                      pip: Sequence[str] | None = None,
-                      py_modules: Sequence[str | os.PathLike[str]] | None = None,
-                      excludes: Sequence[str] | None = None,
-                      base_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """A Ray runtime_env from the profile's environment and the job's files/packages.
-
-    Local paths are made absolute (relative to ``base_dir``: the job config's
-    directory) and must exist, so a typo fails here, not as an upload error.
-    """
-    base = Path(base_dir) if base_dir else Path.cwd()
-    env: dict[str, Any] = {}
-    if env_vars:
-        env["env_vars"] = {str(k): str(v) for k, v in env_vars.items()}
-    if working_dir:
-        env["working_dir"] = _local_or_uri(working_dir, base, "working_dir")
-    if py_modules:
-        env["py_modules"] = [_local_or_uri(p, base, "py_modules") for p in py_modules]
-    if pip:
-        env["pip"] = [str(p) for p in pip]
-    if excludes:
-        env["excludes"] = [str(e) for e in excludes]
-    return env
-
-
-def _local_or_uri(value: str | os.PathLike[str], base: Path, key: str) -> str:
-    text = str(value)
-    if "://" in text:  # s3://, gs://, https:// packages: Ray fetches them itself
-        return text
-    path = (base / Path(text).expanduser()).resolve()
-    if not path.exists():
-        raise RayJobsError(f"job config: ray.{key} path {path} does not exist; fix the path "
-                           "(relative paths are taken from the job config's directory)")
-    return str(path)
-
-
-def hpc_verl_package_dir() -> str:
-    """The hpc_verl package directory, shipped as a py_module so the built-in trainer
-    runs on clusters where hpc_verl is not installed."""
-    import hpc_verl
-
-    return str(Path(hpc_verl.__file__).resolve().parent)
-
-
-def new_submission_id(name: str) -> str:
-    """Readable and unique: ``hpcverl-<name>-<UTC time>-<4 hex>``."""
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()[:32] or "job"
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return f"hpcverl-{slug}-{stamp}-{secrets.token_hex(2)}"
 
 
 # --------------------------------------------------------------------------- handle
@@ -516,23 +413,23 @@ class RayJobHandle:
         return self._cluster
 
     @property
-    def state(self) -> str:
+    def state(self) -> JobState:
         return self.cluster.state(self.submission_id)
 
     def done(self) -> bool:
-        return self.state in TERMINAL_STATES
+        return self.state.terminal
 
     def logs(self) -> str:
         return self.cluster.logs(self.submission_id)
 
-    def follow(self, out: TextIO | None = None) -> str:
+    def follow(self, out: TextIO | None = None) -> JobState:
         stream = out or sys.stdout
         return self.cluster.follow(self.submission_id, lambda s: (stream.write(s), stream.flush()))
 
-    def wait(self, timeout_s: float | None = None, check: bool = True) -> str:
+    def wait(self, timeout_s: float | None = None, check: bool = True) -> JobState:
         """Wait for the end; with ``check`` a failed job raises RayJobFailedError (last lines)."""
         state = self.cluster.wait(self.submission_id, timeout_s)
-        if check and state == "FAILED":
+        if check and state is JobState.FAILED:
             raise self.cluster.failure(self.submission_id)
         return state
 

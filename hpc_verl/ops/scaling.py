@@ -254,7 +254,7 @@ def format_overrides(plan: Plan) -> str:
 
 def verify_plan(plan: Plan, schema: Any) -> list[str]:
     """The plan's own overrides checked like a user's (keys and arithmetic)."""
-    from hpc_verl.launch.batch_checks import check_ppo_arithmetic
+    from hpc_verl.util.batch_rules import check_ppo_arithmetic
     from hpc_verl.verl_upstream.overrides import check_overrides, parse_overrides
 
     problems: list[str] = []

@@ -23,17 +23,25 @@ import jinja2
 
 from hpc_verl._version import __version__
 from hpc_verl.errors import RenderError
-from hpc_verl.launch.jobconfig import JobConfig
+from hpc_verl.launch.spec.jobconfig import JobConfig
 from hpc_verl.profiles.schema import Profile, parse_size_bytes
+from hpc_verl.trainer.checkpoint import REQUEUE_EXIT_CODE
+from hpc_verl.util.package import PACKAGE_DIR
 
 STAGES = ("validate", "preprocess", "model-check", "ray-up", "train", "collect")
 SBATCH_TEMPLATE = "job.sbatch.j2"
 _SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:/@%+=\[\]-]+$")
+REQUEUE_EXIT_VAR = "HPC_VERL_REQUEUE_EXIT_CODE"  # the variable trainer.checkpoint reads its code from
+
+
+def job_stages(hold: bool = False) -> tuple[str, ...]:
+    """The job's stages in order; a cluster job (``hold``) keeps Ray up where others train."""
+    return tuple("hold" if st == "train" else st for st in STAGES) if hold else STAGES
 
 
 def templates_dir() -> Path:
     """Templates shipped in the package (a link to the repo's templates/)."""
-    return Path(__file__).resolve().parent.parent / "templates"
+    return PACKAGE_DIR / "templates"
 
 
 def shquote(value: Any) -> str:
@@ -145,12 +153,28 @@ def env_block(profile: Profile) -> list[tuple[str, str, str]]:
         out.append(("GLOO_SOCKET_IFNAME", ifname, "torch.distributed gloo interface"))
     if e.nccl_debug:
         out.append(("NCCL_DEBUG", e.nccl_debug, "NCCL log level"))
+    if REQUEUE_EXIT_VAR not in e.vars:  # the trainer in the container exits with the code the script tests
+        out.append((REQUEUE_EXIT_VAR, str(requeue_exit_code(profile)),
+                    "the trainer's 'checkpointed, requeue me' exit status"))
     if profile.accelerator == "amd":
         out.append(("HSA_NO_SCRATCH_RECLAIM", "1", "ROCm: keep scratch memory (as verl sets for its workers); "
                     "RCCL reads the NCCL_* variables above"))
     for name, value in e.vars.items():
         out.append((name, value, "profile env.vars"))
     return out
+
+
+def requeue_exit_code(profile: Profile) -> int:
+    """The exit status that means "checkpointed, requeue me": the trainer's constant
+    (``trainer.checkpoint.REQUEUE_EXIT_CODE``), or the profile's ``env.vars`` value of its
+    variable when the profile sets one (the trainer in the job then reads that)."""
+    text = profile.env.vars.get(REQUEUE_EXIT_VAR)
+    if text is None:
+        return REQUEUE_EXIT_CODE
+    if not text.strip().isdigit() or not 3 <= int(text) <= 125:
+        raise RenderError(f"env.vars.{REQUEUE_EXIT_VAR} {text!r} must be an exit status from 3 to 125 "
+                          "(0-2 mean done/failed/bad input, 126+ are the shell's); e.g. 99")
+    return int(text)
 
 
 def _job_paths(profile: Profile, job: JobConfig) -> None:
@@ -194,7 +218,7 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False) -> dict
         "version": __version__,
         "profile": profile,
         "job": job,
-        "stages": tuple("hold" if st == "train" else st for st in STAGES) if hold else STAGES,
+        "stages": job_stages(hold),
         "hold": hold,
         "slurm": profile.scheduler == "slurm",
         "sbatch_options": sbatch_options(profile, job) if profile.scheduler == "slurm" else [],
@@ -205,6 +229,7 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False) -> dict
         "env": env_block(profile),
         "trainer_args": [*job.trainer.args, *job.trainer_override_args()],
         "derived": derived_overrides(profile, job),
+        "requeue_exit_code": requeue_exit_code(profile),
     }
 
 

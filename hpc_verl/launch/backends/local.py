@@ -4,7 +4,7 @@ The script is the same one the launcher renders for SLURM (profile ``local``:
 scheduler local, no container, loopback Ray), run with ``bash`` in its own
 session. Foreground (default): its output streams to the terminal and to the
 job's log, and the submit returns its exit status. ``--detach``: a small
-supervisor (``python -m hpc_verl.launch.local supervise JOB_DIR``) runs it in
+supervisor (``python -m hpc_verl.launch.backends.local supervise JOB_DIR``) runs it in
 the background and records the exit status, so ``hpc-verl list/status/logs/cancel``
 work as for SLURM jobs. Every process of the job carries ``HPCV_LOCAL_JOB=<job
 dir>`` in its environment; ``cancel`` uses that to leave nothing behind.
@@ -17,13 +17,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Sequence
 
 from hpc_verl.errors import ConfigError, SubmitError
 from hpc_verl.launch import registry
-from hpc_verl.launch.jobinfo import JobInfo
+from hpc_verl.launch.backends.base import DryRun, JobInfo, JobState, SubmitRequest
+from hpc_verl.launch.backends.script import ScriptBackend
+from hpc_verl.util.package import PACKAGE_DIR, with_package_on_pythonpath
 
 MARKER_ENV = "HPCV_LOCAL_JOB"
+SUPERVISOR = "hpc_verl.launch.backends.local"  # python -m SUPERVISOR supervise JOB_DIR
 LOG_NAME = "job.log"
 CANCEL_GRACE_S = 60.0
 # SLURM variables the script would take for its own (job id, submit dir, restart count, CPUs)
@@ -37,7 +40,7 @@ def demo_job_dict() -> dict[str, Any]:
     The tiny model (``hpc-verl make-tiny-model models/tiny``) on the shipped gsm8k sample,
     five GRPO steps on CPU: the whole pipeline in a couple of minutes.
     """
-    sample = Path(__file__).resolve().parents[1] / "data" / "samples" / "gsm8k_sample.jsonl"
+    sample = PACKAGE_DIR / "data" / "samples" / "gsm8k_sample.jsonl"
     return {
         "name": "local-demo",
         "trainer": {"module": "hpc_verl.trainer.main", "overrides": dict(DEMO_OVERRIDES)},
@@ -72,9 +75,7 @@ def check_inputs(job: Any, cwd: str) -> None:
 
 def job_env(rec: registry.JobRecord, cpus: int) -> dict[str, str]:
     """The script's environment: ours, minus SLURM's job variables, plus the job marker."""
-    env = {k: v for k, v in os.environ.items() if k not in _SLURM_VARS}
-    pkg_parent = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")]))
+    env = with_package_on_pythonpath({k: v for k, v in os.environ.items() if k not in _SLURM_VARS})
     env[MARKER_ENV] = rec.job_dir
     env.setdefault("HPCV_RAY_NUM_CPUS", str(cpus))
     return env
@@ -207,10 +208,9 @@ def supervise(job_dir: str) -> int:
 
 def run_detached(rec: registry.JobRecord, timeout_s: float = 30.0) -> registry.JobRecord:
     """Start the supervisor in its own session; return once it recorded the script's pid."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                                    os.environ.get("PYTHONPATH")]))}
-    sup = subprocess.Popen([sys.executable, "-m", "hpc_verl.launch.local", "supervise", rec.job_dir],
-                           cwd=rec.submit_dir or None, env=env, stdin=subprocess.DEVNULL,
+    sup = subprocess.Popen([sys.executable, "-m", SUPERVISOR, "supervise", rec.job_dir],
+                           cwd=rec.submit_dir or None, env=with_package_on_pythonpath(dict(os.environ)),
+                           stdin=subprocess.DEVNULL,
                            stdout=subprocess.DEVNULL, stderr=open(Path(rec.job_dir) / "supervisor.err", "ab"),
                            start_new_session=True)
     deadline = time.monotonic() + timeout_s
@@ -255,11 +255,12 @@ def job_pids(job_dir: str) -> list[int]:
 def info(rec: registry.JobRecord) -> JobInfo:
     if rec.exit_code is not None:
         rc = rec.exit_code
-        state = "CANCELLED" if rec.cancelled else ("COMPLETED" if rc == 0 else "FAILED")
-        return JobInfo(state, exit_code=f"{rc}", nodes=os.uname().nodename, source="local")
+        state = JobState.CANCELLED if rec.cancelled else (JobState.COMPLETED if rc == 0 else JobState.FAILED)
+        return JobInfo(state, exit_code=f"{rc}", nodes=os.uname().nodename, source="local", job_id=rec.job_id)
     if rec.pid and _is_ours(rec.pid, rec.job_dir):
-        return JobInfo("RUNNING", nodes=os.uname().nodename, source="local")
-    return JobInfo("LOST", reason="the job's process ended without recording its exit status", source="local")
+        return JobInfo(JobState.RUNNING, nodes=os.uname().nodename, source="local", job_id=rec.job_id)
+    return JobInfo(JobState.LOST, reason="the job's process ended without recording its exit status",
+                   source="local", job_id=rec.job_id)
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -307,10 +308,65 @@ def results(rec: registry.JobRecord) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------------------- the backend
+def _local_python_set(profile: Any, sets: Sequence[str]) -> list[str]:
+    """A local job runs with the interpreter running hpc-verl, unless the profile or --set names one."""
+    if any(s.startswith("ray.python=") for s in sets) or profile.ray.python != "python3":
+        return []
+    return [f"ray.python={sys.executable}"]
+
+
+class LocalBackend(ScriptBackend):
+    """Jobs of ``scheduler: local`` profiles: the script runs here, in the foreground or detached."""
+
+    scheduler = "local"
+    runs_profiles = "local"
+
+    def job_config(self, request: SubmitRequest) -> Any:
+        """``--profile local`` without ``--config`` runs the embedded demo job (newcomers start there)."""
+        from hpc_verl.launch.spec.jobconfig import job_from_dict, load_job_config
+
+        if request.config is not None or Path(request.profile or "").stem != "local":
+            return super().job_config(request)
+        job = job_from_dict(demo_job_dict(), "(built-in local demo job)")
+        if request.overrides:
+            job.trainer.overrides.update(load_job_config(None, list(request.overrides)).trainer.overrides)
+        return job
+
+    def check_inputs(self, job: Any) -> None:
+        check_inputs(job, os.getcwd())
+
+    def profile_sets(self, profile: Any, sets: Sequence[str]) -> list[str]:
+        return _local_python_set(profile, sets)
+
+    def by_hand(self, record: registry.JobRecord) -> str:
+        return f"bash {record.script}"
+
+    def submit(self, dry: DryRun) -> registry.JobRecord:
+        if dry.request.detach:
+            return run_detached(dry.record)
+        run_foreground(dry.record)
+        return dry.record
+
+    def report(self, record: registry.JobRecord) -> list[str]:
+        if record.exit_code is None:
+            return [f"started local job {record.job_id} ({record.name}) in the background",
+                    f"run directory: {record.run_dir}",
+                    f"follow: hpc-verl logs {record.job_id} --follow    stop: hpc-verl cancel {record.job_id}"]
+        return [f"local job {record.job_id} ({record.name}): {info(record).state}, exit status {record.exit_code}",
+                *results(record)]
+
+    def _describe(self, record: registry.JobRecord) -> JobInfo:
+        return info(record)
+
+    def _cancel(self, record: registry.JobRecord) -> str:
+        return cancel(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2 or args[0] != "supervise":
-        print("usage: python -m hpc_verl.launch.local supervise JOB_DIR", file=sys.stderr)
+        print(f"usage: python -m {SUPERVISOR} supervise JOB_DIR", file=sys.stderr)
         return 2
     return supervise(args[1])
 

@@ -1,10 +1,12 @@
-"""The job-wide Ray plan, written once by the batch script and read by every node.
+"""A job's Ray directory: the plan written once by the batch script, and what the nodes report.
 
 ``<job_dir>/ray/`` (on the shared file system, mode 0700) holds:
 ``plan.json`` (nodes, head, node slots, port layout, options), ``token`` (the
 job's Ray auth token, mode 0600), ``head.json`` (the head's address, written when
-its GCS answers), ``nodes/<node>.json`` (each node's state, ports, pid, errors)
-and ``env.sh`` (``RAY_ADDRESS`` and auth variables for the driver).
+its GCS answers), ``nodes/<node>.json`` (each node's state, ports, pid, errors),
+``env.sh`` (``RAY_ADDRESS`` and auth variables for the driver) and, in a cluster
+job (``hpc-verl cluster up``), ``cluster.json`` (its Ray Jobs address and token
+file, written by ``launch.hold`` once a submission would work).
 """
 from __future__ import annotations
 
@@ -24,6 +26,18 @@ from hpc_verl.util.fs import atomic_write_json, atomic_write_text
 
 def ray_dir(job_dir: str | os.PathLike[str]) -> Path:
     return Path(job_dir) / "ray"
+
+
+def cluster_info_path(job_dir: str | os.PathLike[str]) -> Path:
+    return ray_dir(job_dir) / "cluster.json"
+
+
+def read_cluster_info(job_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """A cluster job's Ray Jobs address, token file, nodes and Ray version; None until it is ready."""
+    try:
+        return json.loads(cluster_info_path(job_dir).read_text())
+    except FileNotFoundError:
+        return None
 
 
 def token_path(job_dir: str | os.PathLike[str]) -> Path:

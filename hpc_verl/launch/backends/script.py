@@ -1,0 +1,167 @@
+"""What the SLURM and local backends share: both run the launcher's rendered batch script.
+
+A script job's directory (``registry.new_job_dir``) holds ``script.sbatch``, the
+resolved ``profile.json`` and ``job_config.json``, the record ``job.json``, the
+batch log and the run directory (``<name>-<job id>/``: ``ray/``, ``logs/``
+with one ``node-<name>.log`` per node, ``stages/``). The profile's
+``paths.job_root`` is pointed at the job directory so the run directory lands
+next to the record. Jobs that train pass the same checks as ``hpc-verl
+plan``/``render`` (``build_plan``: trainer keys, batch arithmetic) before
+anything is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Optional, Sequence, TextIO
+
+from hpc_verl.errors import ConfigError, JobNotFoundError, SubmitError
+from hpc_verl.launch import registry
+from hpc_verl.launch.backends.base import Backend, DryRun, JobInfo, JobState, SubmitRequest
+from hpc_verl.launch.registry import JobRecord
+from hpc_verl.util.fs import atomic_write_json, atomic_write_text
+
+
+def _load_profile(name: str, sets: Sequence[str]) -> Any:
+    from hpc_verl.profiles import load_profile
+
+    return load_profile(name, list(sets))
+
+
+class ScriptBackend(Backend):
+    """A backend that runs the rendered batch script of a profile whose ``scheduler`` is ``runs_profiles``."""
+
+    runs_profiles: ClassVar[str]
+    """The profiles' ``scheduler`` value this backend runs."""
+    holds_clusters: ClassVar[bool] = False
+    """Whether ``hpc-verl cluster up`` can hold a Ray cluster with it."""
+
+    # -------------------------------------------------------------- hooks a script backend may fill
+    def job_config(self, request: SubmitRequest) -> Any:
+        """The job config of a request (``--config`` plus trainer overrides)."""
+        from hpc_verl.launch.spec.jobconfig import load_job_config
+
+        return load_job_config(request.config, list(request.overrides))
+
+    def check_inputs(self, job: Any) -> None:
+        """Checks that only hold where the job runs (nothing to check for a remote scheduler)."""
+
+    def profile_sets(self, profile: Any, sets: Sequence[str]) -> list[str]:
+        """``--set`` values the backend adds to the user's."""
+        return []
+
+    def by_hand(self, record: JobRecord) -> str:
+        """The command that would submit the dry run's script without hpc-verl."""
+        return ""
+
+    # -------------------------------------------------------------- Backend
+    def accepts(self, request: SubmitRequest) -> bool:
+        if request.ray_address or request.cluster or not request.profile:
+            return False
+        return _load_profile(request.profile, request.sets).scheduler == self.runs_profiles
+
+    def dryrun(self, request: SubmitRequest) -> DryRun:
+        from hpc_verl.launch.spec.launch_plan import build_plan
+
+        if not request.profile:
+            raise ConfigError(f"the {self.scheduler} backend needs a profile (--profile NAME)")
+        job = self.job_config(request).rename(request.name)
+        first = _load_profile(request.profile, request.sets)
+        if request.hold and (first.scheduler != self.runs_profiles or not self.holds_clusters):
+            raise ConfigError(f"profile {first.name} uses scheduler '{first.scheduler}'; 'hpc-verl cluster up' "
+                              "needs a SLURM profile")
+        if first.scheduler != self.runs_profiles:
+            raise ConfigError(f"profile {first.name} uses scheduler '{first.scheduler}'; the {self.scheduler} "
+                              f"backend runs '{self.runs_profiles}' profiles")
+        self.check_inputs(job)
+        sets = [*request.sets, *self.profile_sets(first, request.sets)]
+        job_dir = registry.new_job_dir(job.name)
+        try:
+            profile = _load_profile(request.profile, [*sets, f"paths.job_root={job_dir}"])
+            plan = build_plan(profile, job, hold=request.hold)
+            script_path = job_dir / "script.sbatch"
+            atomic_write_text(script_path, plan.script, mode=0o700)
+            atomic_write_json(job_dir / "profile.json", profile.to_dict())
+            atomic_write_json(job_dir / "job_config.json", job.to_dict())
+            rec = JobRecord(name=job.name, job_dir=str(job_dir), profile=profile.name, script=str(script_path),
+                            slurm_conf=os.environ.get("SLURM_CONF"), dry_run=True, scheduler=self.scheduler,
+                            submit_dir=os.getcwd(), role=registry.ROLE_CLUSTER if request.hold else registry.ROLE_JOB)
+            rec.save()
+        except BaseException:
+            shutil.rmtree(job_dir, ignore_errors=True)  # nothing half-written in the registry
+            raise
+        return DryRun(self.scheduler, rec, plan.summary(), files=[("script", str(script_path))],
+                      by_hand=self.by_hand(rec), request=request, payload=plan)
+
+    def report(self, record: JobRecord) -> list[str]:
+        return [f"submitted job {record.job_id} ({record.name}, profile {record.profile})",
+                f"job directory: {record.job_dir}", f"run directory: {record.run_dir}",
+                f"logs: {record.batch_log} and {record.log_dir}/node-<node>.log",
+                f"follow: hpc-verl logs {record.job_id} --follow"]
+
+    def _logs(self, record: JobRecord, node: Optional[str], follow: bool, out: TextIO) -> int:
+        log = Path(record.log_dir) / f"node-{node}.log" if node else Path(record.batch_log)
+        if node and not log.exists():
+            known = sorted(p.stem[len("node-"):] for p in Path(record.log_dir).glob("node-*.log"))
+            raise JobNotFoundError(f"job {self.ref(record)}: no log for node '{node}' in {record.log_dir}; "
+                                   f"nodes with logs: {', '.join(known) or 'none yet'}")
+        pos = 0
+        while True:
+            if log.exists():
+                with open(log, "rb") as fh:
+                    fh.seek(pos)
+                    chunk = fh.read()
+                    pos += len(chunk)
+                out.write(chunk.decode(errors="replace"))
+                out.flush()
+            if not follow:
+                return 0
+            info = self.describe(record)
+            if info.terminal or info.state is JobState.UNKNOWN:
+                if log.exists() and log.stat().st_size > pos:
+                    continue
+                return 0
+            time.sleep(0.5)
+
+    def _status_details(self, record: JobRecord, info: JobInfo) -> Mapping[str, Any]:
+        record.refresh_from_ray()
+        head: dict[str, Any] = {}
+        try:
+            head = json.loads((Path(record.run_dir) / "ray" / "head.json").read_text())
+        except (OSError, ValueError):
+            pass
+        stages = sorted(p.stem for p in (Path(record.run_dir) / "stages").glob("*.done")) if record.run_dir else []
+        out = {"source": info.source or None, "reason": info.reason, "exit_code": info.exit_code,
+               "restarts": info.restarts, "slurm_nodes": info.nodes, "nodes": record.nodes,
+               "ray_address": head.get("address"), "ports": record.ports, "stages_done": stages,
+               "job_dir": record.job_dir, "run_dir": record.run_dir, "batch_log": record.batch_log,
+               "log_dir": record.log_dir}
+        if record.role == registry.ROLE_CLUSTER:
+            out.update(jobs_address=record.ray_address, token_file=record.token_file)
+        return out
+
+    def jobs_api(self, record: JobRecord) -> tuple[str, str]:
+        """A cluster job's Ray Jobs address and token file (``ray/cluster.json``), or why it has none yet."""
+        from hpc_verl.bootstrap.raydir import read_cluster_info
+
+        info = read_cluster_info(record.run_dir or record.job_dir) if self.holds_clusters else None
+        if info is None:
+            if not self.holds_clusters or record.role != registry.ROLE_CLUSTER:
+                return super().jobs_api(record)
+            state = self.describe(record).label
+            raise SubmitError(f"cluster job {self.ref(record)} has no Ray Jobs API yet ({self.scheduler} state "
+                              f"{state}); wait for 'hpc-verl cluster up' to print the address, or start a new one")
+        return info["address"], info["token_file"]
+
+
+def set_run_paths(record: JobRecord, job_id: int, batch_log: Optional[str] = None) -> None:
+    """The record of a submitted script job: its id, run directory, logs (saved)."""
+    record.job_id = job_id
+    record.run_dir = str(Path(record.job_dir) / f"{record.name}-{job_id}")
+    record.log_dir = str(Path(record.run_dir) / "logs")
+    record.batch_log = batch_log or str(Path(record.job_dir) / f"{record.name}-{job_id}.out")
+    record.dry_run = False
+    record.save()
