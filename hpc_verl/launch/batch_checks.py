@@ -39,7 +39,8 @@ def _nearby_multiples(value: int, step: int) -> str:
     return f"{lo} or {hi}" if lo > 0 else f"{hi}"
 
 
-def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int) -> list[str]:
+def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int,
+                         replica_may_span: bool = False) -> list[str]:
     """Problems (one line each, with the numbers) for a PPO config on ``nnodes × gpus_per_node``.
 
     Checks: ``data.train_batch_size × rollout.n`` divisible by the GPU count;
@@ -47,6 +48,8 @@ def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int
     critic mini-batches not larger than the train batch, splitting evenly over
     the data-parallel ranks, and divisible by their micro-batches. Checks whose
     keys are absent are skipped. GPU count 0 (CPU-only runs) counts as 1 worker.
+    ``replica_may_span``: upstream verl runs a rollout replica larger than a node
+    (its rules in hpc_verl.verl_upstream.findings judge that case).
     """
     problems: list[str] = []
     n_gpus = max(1, nnodes * gpus_per_node)
@@ -62,10 +65,10 @@ def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int
             problems.append(f"data.train_batch_size ({tbs}) × {_ROLLOUT}.n ({n}) = {total} is not divisible "
                             f"by the {where}: every GPU must get the same number of samples; use e.g. {fix}")
 
-    problems += check_tensor_parallel(cfg, gpus_per_node)
+    problems += check_tensor_parallel(cfg, gpus_per_node, replica_may_span)
 
     for role in (_ACTOR, "critic"):
-        if role == "critic" and not _uses_critic(cfg):
+        if role == "critic" and not uses_critic(cfg):
             continue
         if bool(get_path(cfg, f"{role}.use_dynamic_bsz", dynamic)):
             continue
@@ -73,11 +76,14 @@ def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int
     return problems
 
 
-def check_tensor_parallel(cfg: Mapping[str, Any], gpus_per_node: int) -> list[str]:
-    """The rollout tensor-parallel group must fit inside one node and divide its GPUs."""
+def check_tensor_parallel(cfg: Mapping[str, Any], gpus_per_node: int, may_span: bool = False) -> list[str]:
+    """The rollout tensor-parallel group must fit inside one node and divide its GPUs
+    (``may_span``: a group larger than a node is left to the caller)."""
     problems: list[str] = []
     tp = _int(get_path(cfg, f"{_ROLLOUT}.tensor_model_parallel_size"))
     if tp is not None and gpus_per_node > 0:
+        if may_span and tp > gpus_per_node:
+            return problems
         if tp < 1:
             problems.append(f"{_ROLLOUT}.tensor_model_parallel_size is {tp}; it must be at least 1")
         elif gpus_per_node % tp:
@@ -88,7 +94,8 @@ def check_tensor_parallel(cfg: Mapping[str, Any], gpus_per_node: int) -> list[st
     return problems
 
 
-def _uses_critic(cfg: Mapping[str, Any]) -> bool:
+def uses_critic(cfg: Mapping[str, Any]) -> bool:
+    """Whether the config trains a critic (GAE, or critic.enable)."""
     est = get_path(cfg, "algorithm.adv_estimator", "gae")
     enable = get_path(cfg, "critic.enable", None)
     if enable is not None:
