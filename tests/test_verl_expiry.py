@@ -188,6 +188,7 @@ def test_preemption_waits_for_the_next_save_then_requeues(tmp_path):
     assert saved[-1] > first and int(tracker.read_text()) == saved[-1]  # a new save came, then the stop
     assert "TERM" in out  # verl was stopped by the supervisor, not left running
     assert f"verl saved global_step_{saved[-1]}: stopping it" in err
+    assert f"verl stopped; the requeued run resumes from global_step_{saved[-1]}" in err
 
 
 def test_preemption_without_a_new_save_stops_before_the_end(tmp_path):

@@ -141,17 +141,20 @@ class Supervisor:
                 return rc
             now = Tracker.read(self.ckpt_dir)
             if now != before and now.step:
-                _log(f"verl saved {now.describe()}: stopping it; the requeued run resumes there")
-                self._stop_child()
-                return REQUEUE_EXIT_CODE
+                _log(f"verl saved {now.describe()}: stopping it for the requeue")
+                return self._stop_for_requeue()
             if self.signalled is not None:
                 _log(f"got signal {self.signalled} during the wait: stopping verl")
                 self._stop_child()
                 return 128 + self.signalled
             time.sleep(POLL_S)
-        last = Tracker.read(self.ckpt_dir)
-        _log(f"no new checkpoint in time: stopping verl; the requeued run resumes from {last.describe()}")
+        _log("no new checkpoint in time: stopping verl for the requeue")
+        return self._stop_for_requeue()
+
+    def _stop_for_requeue(self) -> int:
         self._stop_child()
+        # verl's actors may finish one more save while the driver goes: the tracker says which is complete
+        _log(f"verl stopped; the requeued run resumes from {Tracker.read(self.ckpt_dir).describe()}")
         return REQUEUE_EXIT_CODE
 
     def _stop_child(self) -> None:
