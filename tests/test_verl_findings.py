@@ -194,3 +194,14 @@ def test_source_micro_batch_pairs_are_checked_where_the_rules_say():
         src = verl_source(rel)
         assert old.rsplit(".", 1)[-1] in src and per_gpu.rsplit(".", 1)[-1] in src, (old, rel)
         assert "You have set both" in src or "_check_mutually_exclusive" in src, rel
+
+
+def test_too_few_cpus_for_verls_placement_groups(capsys):
+    src = verl_source("single_controller/ray/base.py")
+    assert f"max_colocate_count: int = {findings.VERL_CPUS_PER_GPU}" in src
+    assert 'bundle = {"CPU": self.max_colocate_count}' in src
+    msg = only(review({}, cpus_per_node=16), "warning")  # 8 GPUs per node need 24
+    assert "reserves 3 CPUs per GPU" in msg and "at least 24" in msg
+    assert review({}, cpus_per_node=24) == []
+    validate_job_trainer(load_profile("ib-a100", ["slurm.cpus_per_task=8"]), _job())
+    assert "set slurm.cpus_per_task to at least 24" in capsys.readouterr().err

@@ -60,6 +60,19 @@ def node_temp_dir(plan: dict[str, Any], node: str) -> str:
     return os.path.join(plan["temp_dir_root"], str(plan["job_id"]), node)
 
 
+#: Ray's session directory is ``session_<%Y-%m-%d_%H-%M-%S_%f>_<pid>`` (ray/_private/node.py)
+RAY_SESSION_STAMP = "2000-01-01_00-00-00_000000"
+#: the longest Unix socket name Ray makes under ``<session>/sockets/`` (the object store's)
+RAY_LONGEST_SOCKET = "plasma_store"
+#: what Ray (validate_socket_filepath) and the kernel allow in an AF_UNIX path on Linux
+AF_UNIX_PATH_MAX = 107
+
+
+def longest_socket_path(temp_dir: str, pid_digits: int) -> str:
+    """The longest socket path Ray will create under ``temp_dir`` (pid of ``pid_digits`` digits)."""
+    return os.path.join(temp_dir, f"session_{RAY_SESSION_STAMP}_{'9' * pid_digits}", "sockets", RAY_LONGEST_SOCKET)
+
+
 def log_tail(temp_dir: str, names: tuple[str, ...] = ("raylet.out", "raylet.err", "gcs_server.out",
                                                      "gcs_server.err"), lines: int = 15) -> str:
     """The last lines of this node's Ray daemon logs (for diagnostics)."""

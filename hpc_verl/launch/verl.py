@@ -65,7 +65,8 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
                                      attach_to_ray=True, where=f"job config {_source(job)}: verl override")
         errors, notes = findings.split(findings.review(
             cmd.resolved, findings.user_keys_of(cmd.user), cmd.verl_version, alloc.nnodes, alloc.gpus_per_node,
-            time_limited=profile.scheduler == "slurm", transport=profile.network.transport))
+            time_limited=profile.scheduler == "slurm", transport=profile.network.transport,
+            cpus_per_node=alloc.cpus_per_node if profile.accelerator in ("nvidia", "amd") else None))
         if errors:
             raise ConfigError(f"job config {_source(job)}: {one_line(errors)}")
         cmd.warnings += notes

@@ -44,6 +44,9 @@ IGNORED_KEYS: dict[str, str] = {
         "default timeout applies whatever you set"),
     "data.return_raw_input_ids": "no code reads it (the dataset returns raw prompts as it always does)",
 }
+#: CPUs each GPU bundle of verl's placement groups reserves (ResourcePoolManager.max_colocate_count,
+#: verl/single_controller/ray/base.py): Ray needs this many CPUs per GPU on every node
+VERL_CPUS_PER_GPU = 3
 IGNORED_SERIES = (0, 9)  # the verl series the IGNORED_KEYS were read from
 SYNC_REMOVED_IN = (0, 8)
 
@@ -69,14 +72,26 @@ def _int(value: Any, default: int) -> int:
         return default
 
 
+def cpu_shortfall(cpus_per_node: int, gpus_per_node: int) -> str | None:
+    """Why ``cpus_per_node`` Ray CPUs are too few for verl's placement groups on ``gpus_per_node`` GPUs."""
+    need = VERL_CPUS_PER_GPU * gpus_per_node
+    if gpus_per_node <= 0 or cpus_per_node >= need:
+        return None
+    return (f"upstream verl reserves {VERL_CPUS_PER_GPU} CPUs per GPU in its placement groups, {need} for "
+            f"{gpus_per_node} GPUs, but Ray gets {cpus_per_node} per node: the placement groups never become "
+            f"ready and the job hangs at start-up; set slurm.cpus_per_task to at least {need}")
+
+
 def review(cfg: Mapping[str, Any], user_keys: set[str], version: str | None, nnodes: int, gpus_per_node: int,
-           *, time_limited: bool = False, transport: str | None = None) -> list[Finding]:
+           *, time_limited: bool = False, transport: str | None = None,
+           cpus_per_node: int | None = None) -> list[Finding]:
     """Every finding for a composed config (``cfg``: nested or flat dotted keys, as resolved).
 
     ``user_keys``: the keys the job set itself (rules about pointless settings
     only speak about those); ``version``: the installed verl's (None: unknown,
     version-bound rules are skipped); ``time_limited``: a SLURM job, which has a
-    time limit to survive.
+    time limit to survive; ``cpus_per_node``: what ``ray start --num-cpus`` gets on
+    real GPU nodes (None: not checked).
     """
     v = version_tuple(version) if version else None
     tag = f"verl {version}" if version else "verl"
@@ -96,6 +111,9 @@ def review(cfg: Mapping[str, Any], user_keys: set[str], version: str | None, nno
             if key in user_keys:
                 out.append(Finding("warning", key, f"{key} is accepted but ignored by {tag}: {why}; drop it"))
 
+    short = cpu_shortfall(cpus_per_node, gpus_per_node) if cpus_per_node is not None else None
+    if short:
+        out.append(Finding("warning", "slurm.cpus_per_task", short))
     if time_limited:
         out += _time_limit(cfg, user_keys, v, tag)
     return out
