@@ -455,6 +455,11 @@ def test_cpus_per_task_vs_what_ray_is_told(tmp_path):
     r = d.check_cpus(exp, Context(roots=healthy(tmp_path / "e", cpus_online="0-127", cpus_allowed="0-7"),
                                   env={"SLURM_JOB_ID": "42"}))
     assert r.status == WARN and "all 128 CPUs" in r.detail and "slurm.cpus_per_task: 8" in r.fix
+    # the local backend tells Ray slurm.cpus_per_task too, on this machine's cores
+    local = ib_exp(scheduler="local", cpus_per_task=4, gpus_per_node=0, accelerator="none")
+    r = d.check_cpus(local, Context(roots=healthy(tmp_path / "l", cpus_online="0-1"), env={}))
+    assert r.status == FAIL and "told 4 CPUs" in r.detail and "may run on 2" in r.detail
+    assert d.check_cpus(local, Context(roots=healthy(tmp_path / "m", cpus_online="0-7"), env={})).status == OK
 
 
 def test_cpus_for_verls_placement_groups(tmp_path):

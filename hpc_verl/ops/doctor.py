@@ -364,8 +364,11 @@ def check_cpus(exp: Expectations, ctx: Context) -> CheckResult:
         told, source = int(env["SLURM_CPUS_PER_TASK"]), "SLURM_CPUS_PER_TASK"
     elif exp.scheduler == "slurm" and not in_job:
         told, source = exp.cpus_per_task, "slurm.cpus_per_task (sbatch --cpus-per-task)"
+    elif exp.scheduler == "local":
+        told, source = exp.cpus_per_task, "slurm.cpus_per_task, passed as HPCV_RAY_NUM_CPUS by the local backend"
     else:
         told, source = 0, ""
+    here = in_job or exp.scheduler == "local"  # this process's cpuset is the job's
     if told == 0:
         counted = online or allowed
         if in_job and allowed and online and online > allowed:
@@ -374,11 +377,11 @@ def check_cpus(exp: Expectations, ctx: Context) -> CheckResult:
                                f"request CPUs per task (slurm.cpus_per_task: {allowed}) or export "
                                f"HPCV_RAY_NUM_CPUS={allowed}")
         return CheckResult(name, OK, f"Ray counts the node's CPUs itself ({counted if counted else 'unknown'})")
-    if in_job and allowed is not None and told > allowed:
+    if here and allowed is not None and told > allowed:
         return CheckResult(name, FAIL, f"Ray will be told {told} CPUs ({source}) but this task may run on "
                            f"{allowed} (Cpus_allowed_list): Ray places {told} CPUs of work on {allowed} cores",
                            f"make them agree: slurm.cpus_per_task: {allowed}, or export HPCV_RAY_NUM_CPUS={allowed}")
-    if not in_job and online is not None and told > online:
+    if not here and online is not None and told > online:
         return CheckResult(name, FAIL, f"{source} is {told}, this node has {online} CPUs: SLURM never starts the "
                            "job here (it pends)", f"lower slurm.cpus_per_task to at most {online}")
     detail = f"Ray will be told {told} CPUs per node ({source}); this node has {online or '?'}"
