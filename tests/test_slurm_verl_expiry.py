@@ -85,17 +85,13 @@ def test_verl_saves_before_the_limit_requeues_and_resumes(slurm_testbed, tmp_pat
 
     # what --signal=B:USR2@60 sends before the (new) end, sent now
     slurm.scancel(job_id, signal="USR2", batch_only=True, env=bed.env)
+
     def requeued() -> bool:
         info = slurm.job_info(job_id, env=bed.env)
         return info is not None and info.restarts >= 1
     _until("not requeued", requeued, run_dir, 120)
     # give the requeued run its 30 minutes back, then release it (as test_f does)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        nodes = bed.slurm("sinfo", "-h", "-N", "-o", "%t").stdout.split()
-        if bed.job_state(job_id) == "PENDING" and not any(n.startswith("comp") for n in nodes):
-            break
-        time.sleep(0.5)
+    bed.wait_requeue_settled(job_id)
     assert bed.slurm("scontrol", "update", f"JobId={job_id}", "TimeLimit=30").returncode == 0
     time.sleep(2)
     slurm.release_requeued(job_id, env=bed.env)

@@ -234,11 +234,18 @@ class NodeSupervisor:
         return child
 
     def _wait_own_gcs(self, host: str, port: int, child: subprocess.Popen, deadline: float) -> bool:
+        """Until this head's own GCS listens on ``port``; False when ray start or its gcs_server died
+        (ray start itself would keep retrying a GCS that crashed on a taken port for ~40 s)."""
+        gcs_seen = False
         while time.monotonic() < deadline:
             if tcp_open(host, port) and procs.listens_in_tree(os.getpid(), port) is not False:
                 return True
             if child.poll() is not None and child.returncode != 0:
                 return False
+            gcs_alive = any(procs.comm(p) == "gcs_server" for p in procs.descendants(os.getpid()))
+            if gcs_seen and not gcs_alive:
+                return False
+            gcs_seen = gcs_seen or gcs_alive
             time.sleep(0.1)
         return False
 

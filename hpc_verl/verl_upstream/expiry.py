@@ -29,7 +29,7 @@ EXPIRY_ENV = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"
 EXPIRY_FILE_ENV = "HPCV_EXPIRY_FILE"
 #: How often the batch script asks SLURM, and the workers look at the file (seconds).
 POLL_ENV = "HPCV_EXPIRY_POLL_S"
-POLL_DEFAULT_S = 30.0
+POLL_DEFAULT_S = 60.0  # one squeue per job per minute: gentle on slurmctld; TimeLimit changes are rare
 SETUP_HOOK = f"{__name__}.follow_expiry_file"
 RUNTIME_ENV_HOOK = f"{__name__}.runtime_env_hook"
 #: verl's own estimate of one save (``should_save_ckpt_esi(save_ckpt_duration=60)``).
