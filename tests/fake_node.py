@@ -21,8 +21,11 @@ def _hex_le(ip: str) -> str:
 def make_node(root: Path, *, hcas: dict[str, tuple[str, str]] | None = None,
               ifaces: dict[str, str] | None = None, default_iface: str | None = None,
               memlock: str = "unlimited", nofile: str = "1048576", nvidia_gpus: int | None = None,
-              amd_gpus: int | None = None, uverbs: int = 0) -> Roots:
-    """Build a node: ``hcas`` name -> (state, link layer); ``ifaces`` name -> 'ip/prefix' ('' = no IPv4)."""
+              amd_gpus: int | None = None, uverbs: int = 0,
+              mounts: tuple[tuple[str, str], ...] = (("/", "ext4"), ("/dev/shm", "tmpfs")),
+              cpus_online: str = "0-63", cpus_allowed: str | None = None, pid_max: int = 4194304) -> Roots:
+    """Build a node: ``hcas`` name -> (state, link layer); ``ifaces`` name -> 'ip/prefix' ('' = no IPv4);
+    ``mounts`` (point, fstype) as /proc/self/mounts lists them; CPU lists in the kernel's format."""
     sysfs, proc, dev = root / "sys", root / "proc", root / "dev"
     for d in (sysfs / "class" / "net", proc / "self", proc / "net", dev):
         d.mkdir(parents=True, exist_ok=True)
@@ -63,6 +66,15 @@ def make_node(root: Path, *, hcas: dict[str, tuple[str, str]] | None = None,
     text = f"{'Limit':<26}{'Soft Limit':<21}{'Hard Limit':<21}Units     \n"
     text += "".join(f"{n:<26}{s:<21}{h:<21}{u:<10}\n" for n, s, h, u in rows)
     (proc / "self" / "limits").write_text(text)
+    escaped = [(point.replace(" ", "\\040"), fstype) for point, fstype in mounts]  # as the kernel writes spaces
+    (proc / "self" / "mounts").write_text("".join(f"dev{i} {point} {fstype} rw,relatime 0 0\n"
+                                                  for i, (point, fstype) in enumerate(escaped)))
+    (proc / "self" / "status").write_text(f"Name:\tpython3\nCpus_allowed_list:\t{cpus_allowed or cpus_online}\n")
+    (proc / "sys" / "kernel").mkdir(parents=True, exist_ok=True)
+    (proc / "sys" / "kernel" / "pid_max").write_text(f"{pid_max}\n")
+    cpu = sysfs / "devices" / "system" / "cpu"
+    cpu.mkdir(parents=True, exist_ok=True)
+    (cpu / "online").write_text(cpus_online + "\n")
     if nvidia_gpus is not None:
         g = proc / "driver" / "nvidia" / "gpus"
         g.mkdir(parents=True)

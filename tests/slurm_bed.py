@@ -57,6 +57,18 @@ class Bed:
             time.sleep(1)
         raise AssertionError(f"job {job_id} still {state} after {timeout_s}s (wanted {states})")
 
+    def wait_requeue_settled(self, job_id: int, timeout_s: float = 60) -> None:
+        """Until a requeued job's first run has fully ended (job PENDING, no node still completing).
+
+        SLURM holds a requeued job for a BeginTime delay; release it only after this, else slurmd
+        refuses the start ("credential revoked") - what the delay avoids on a real cluster."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            nodes = self.slurm("sinfo", "-h", "-N", "-o", "%t").stdout.split()
+            if self.job_state(job_id) == "PENDING" and not any(n.startswith("comp") for n in nodes):
+                return
+            time.sleep(0.5)
+
 
 def _short_tmp() -> str:
     # Ray's Unix sockets live under the temp root: keep it short

@@ -390,3 +390,94 @@ def test_deep_with_real_podman_reports_an_image_it_cannot_run(cli):
     first = json.loads(res.stdout)["checks"][0]
     assert first["name"] == "container-run" and first["status"] == FAIL
     assert "hpcv-doctor-absent" in first["detail"] and first["fix"]
+
+
+# ----------------------------------------------------------------------------- Ray's temp dir, CPUs
+def test_ray_socket_path_limit(tmp_path):
+    """Ray's longest socket: <root>/<job>/<node>/session_<26-char stamp>_<pid>/sockets/plasma_store."""
+    roots = healthy(tmp_path, pid_max=4194304)  # pids of 7 digits
+    ok = d.check_ray_socket_path(ib_exp(temp_dir_root="/tmp/hpcv-ray"), Context(roots=roots, job_id=1234567,
+                                                                            node="gpu-node-017"))
+    expected = len("/tmp/hpcv-ray/1234567/gpu-node-017/session_2000-01-01_00-00-00_000000_9999999/sockets/plasma_store")
+    assert ok.status == OK and f"is {expected} of 107 bytes" in ok.detail
+    long_root = "/scratch/local/" + "x" * 33  # 48 characters: the schema's own limit, still too long here
+    bad = d.check_ray_socket_path(ib_exp(temp_dir_root=long_root), Context(roots=roots, job_id=1234567,
+                                                                         node="gpu-node-017"))
+    assert bad.status == FAIL and "over the 107" in bad.detail and "shorten ray.temp_dir_root (48 characters" in bad.fix
+    # the session name's pid is shorter where pid_max is small: the same root can be just under the limit
+    near = d.check_ray_socket_path(ib_exp(temp_dir_root="/tmp/" + "y" * 20), Context(
+        roots=healthy(tmp_path / "p", pid_max=32768), job_id=12345678, node="n01"))
+    assert near.status in (OK, WARN) and "job 12345678, node n01" in near.detail
+    # no job id: an 8-digit one is assumed, and said so
+    assumed = d.check_ray_socket_path(ib_exp(), Context(roots=roots, node="n1"))
+    assert "99999999 (an 8-digit id: no --job-id)" in assumed.detail
+
+
+@pytest.mark.parametrize("fstype,status", [("nfs4", FAIL), ("lustre", FAIL), ("gpfs", FAIL), ("ext4", OK),
+                                           ("tmpfs", OK), ("xfs", OK)])
+def test_ray_temp_dir_on_a_network_filesystem(tmp_path, fstype, status):
+    roots = healthy(tmp_path, mounts=(("/", "ext4"), ("/tmp", "tmpfs"), ("/shared space", fstype)))
+    r = d.check_ray_temp_fs(ib_exp(temp_dir_root="/shared space/ray"), Context(roots=roots))
+    assert r.status == status and f"is on {fstype} (mounted at /shared space)" in r.detail
+    if status == FAIL:
+        assert "node-local storage" in r.fix and "Unix sockets" in r.detail
+    # the longest mount point wins: /tmp on a local tmpfs below an NFS root
+    roots = healthy(tmp_path / "b", mounts=(("/", fstype), ("/tmp", "tmpfs")))
+    assert d.check_ray_temp_fs(ib_exp(temp_dir_root="/tmp/hpcv-ray"), Context(roots=roots)).status == OK
+
+
+def test_ray_temp_fs_unknown_without_mount_table(tmp_path):
+    roots = healthy(tmp_path)
+    (roots.proc / "self" / "mounts").unlink()
+    r = d.check_ray_temp_fs(ib_exp(), Context(roots=roots))
+    assert r.status == WARN and "df -T" in r.fix
+
+
+def test_cpus_per_task_vs_what_ray_is_told(tmp_path):
+    exp = ib_exp(cpus_per_task=64, gpus_per_node=4)
+    # on a node, outside a job: what sbatch asks for must exist here
+    r = d.check_cpus(exp, Context(roots=healthy(tmp_path, cpus_online="0-31"), env={}))
+    assert r.status == FAIL and "this node has 32 CPUs" in r.detail and "at most 32" in r.fix
+    assert d.check_cpus(exp, Context(roots=healthy(tmp_path / "a", cpus_online="0-127"), env={})).status == OK
+    # inside the job: SLURM_CPUS_PER_TASK goes to ray start; the step's cpuset must hold that many
+    job = {"SLURM_JOB_ID": "42", "SLURM_CPUS_PER_TASK": "64"}
+    r = d.check_cpus(exp, Context(roots=healthy(tmp_path / "b", cpus_online="0-127", cpus_allowed="0-15"), env=job))
+    assert r.status == FAIL and "Ray will be told 64 CPUs (SLURM_CPUS_PER_TASK)" in r.detail
+    assert "may run on 16" in r.detail and "HPCV_RAY_NUM_CPUS=16" in r.fix
+    r = d.check_cpus(exp, Context(roots=healthy(tmp_path / "c", cpus_online="0-127", cpus_allowed="0-15,64-111"),
+                                  env=job))
+    assert r.status == OK
+    # HPCV_RAY_NUM_CPUS wins over SLURM's number (the template's order)
+    r = d.check_cpus(exp, Context(roots=healthy(tmp_path / "d", cpus_online="0-127", cpus_allowed="0-15"),
+                                  env={**job, "HPCV_RAY_NUM_CPUS": "16"}))
+    assert r.status == OK and "(HPCV_RAY_NUM_CPUS)" in r.detail
+    # a job without --cpus-per-task: Ray counts the whole node, more than the job has
+    r = d.check_cpus(exp, Context(roots=healthy(tmp_path / "e", cpus_online="0-127", cpus_allowed="0-7"),
+                                  env={"SLURM_JOB_ID": "42"}))
+    assert r.status == WARN and "all 128 CPUs" in r.detail and "slurm.cpus_per_task: 8" in r.fix
+    # the local backend tells Ray slurm.cpus_per_task too, on this machine's cores
+    local = ib_exp(scheduler="local", cpus_per_task=4, gpus_per_node=0, accelerator="none")
+    r = d.check_cpus(local, Context(roots=healthy(tmp_path / "l", cpus_online="0-1"), env={}))
+    assert r.status == FAIL and "told 4 CPUs" in r.detail and "may run on 2" in r.detail
+    assert d.check_cpus(local, Context(roots=healthy(tmp_path / "m", cpus_online="0-7"), env={})).status == OK
+
+
+def test_cpus_for_verls_placement_groups(tmp_path):
+    from hpc_verl.verl_upstream.findings import VERL_CPUS_PER_GPU
+    r = d.check_cpus(ib_exp(cpus_per_task=8, gpus_per_node=8), Context(roots=healthy(tmp_path), env={}))
+    assert r.status == WARN and f"reserves {VERL_CPUS_PER_GPU} CPUs per GPU" in r.detail and "hangs" in r.detail
+    assert f"at least {VERL_CPUS_PER_GPU * 8}" in r.fix
+    assert d.check_cpus(ib_exp(cpus_per_task=8, gpus_per_node=8, accelerator="fake"),
+                        Context(roots=healthy(tmp_path / "f"), env={})).status == OK
+
+
+def test_cli_reports_the_new_checks_on_a_fake_tree(cli, tmp_path):
+    roots = healthy(tmp_path, mounts=(("/", "nfs4"),), cpus_online="0-7")
+    res = cli("doctor", "--profile", "ib-a100", "--json", "--sysfs-root", str(roots.sysfs), "--proc-root",
+              str(roots.proc), "--dev-root", str(roots.dev), "--shm-path", str(roots.shm),
+              "--set", "ray.temp_dir_root=/tmp/hpcv-ray")
+    checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert res.returncode == 1
+    assert checks["ray-temp-fs"]["status"] == FAIL and checks["ray-temp-fs"]["fix"]
+    assert checks["cpus"]["status"] == FAIL and "8 CPUs" in checks["cpus"]["detail"]
+    assert checks["ray-socket-path"]["status"] == OK

@@ -204,15 +204,7 @@ def test_f_preemption_checkpoint_requeue_resume(slurm_testbed, tmp_path):
         assert time.monotonic() < deadline, f"not requeued: {info}; log:\n{batch_log(job_dir)}"
         time.sleep(0.5)
     if info.state != "RUNNING" and info.state != "COMPLETED":
-        # SLURM holds a requeued job for a BeginTime delay; release it only once the first run has
-        # fully ended (job PENDING, no node still completing), else slurmd refuses the start
-        # ("credential revoked") - what the delay avoids on a real cluster
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            nodes = bed.slurm("sinfo", "-h", "-N", "-o", "%t").stdout.split()
-            if bed.job_state(job_id) == "PENDING" and not any(n.startswith("comp") for n in nodes):
-                break
-            time.sleep(0.5)
+        bed.wait_requeue_settled(job_id)
         time.sleep(2)
         slurm.release_requeued(job_id, env=bed.env)
     assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}) == "COMPLETED", batch_log(job_dir)

@@ -9,7 +9,10 @@ foreground until SIGTERM/SIGINT (teardown) or until its raylet dies (failure:
 
 Fault injection for tests (real processes, fake fault): ``HPC_VERL_FAULT_NODE=<node>``
 with ``HPC_VERL_FAULT=hang`` (the node never joins but its step stays alive) or
-``HPC_VERL_FAULT=crash`` (its Ray start fails at once).
+``HPC_VERL_FAULT=crash`` (its Ray start fails at once) or ``HPC_VERL_FAULT=port-race`` (the
+supervisor itself listens on the node's GCS/node-manager port right after probing it, as another
+process would; ``ray start`` fails there and is retried on the next free block, at most
+``RAY_START_TRIES`` times, each retry logged).
 """
 from __future__ import annotations
 
@@ -22,16 +25,30 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hpc_verl.bootstrap import procs
 from hpc_verl.bootstrap.netif import select_ip, tcp_open
+from hpc_verl.bootstrap.ports import block_shift, busy_ports, pick_node_ports
 from hpc_verl.bootstrap.raydir import ray_dir, ray_env, read_json, read_plan, write_node_state
-from hpc_verl.bootstrap.ports import pick_node_ports
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util.fs import atomic_write_json
 
 NODE_RESOURCE_PREFIX = "hpcv_node_"
+#: ``ray start`` attempts when another process takes one of the probed ports before Ray binds it.
+RAY_START_TRIES = 3
+
+
+class _PortTaken(Exception):
+    """This attempt's ports were taken by another process between the probe and the bind."""
+
+
+def _squat(port: int) -> socket.socket:
+    """Fault injection (``HPC_VERL_FAULT=port-race``): listen on ``port`` as another process would."""
+    s = socket.socket()
+    s.bind(("", port))
+    s.listen()
+    return s
 
 
 def this_node() -> str:
@@ -41,6 +58,19 @@ def this_node() -> str:
 def node_temp_dir(plan: dict[str, Any], node: str) -> str:
     """Per-job, per-node Ray temp dir on node-local storage (short: Unix socket paths are limited)."""
     return os.path.join(plan["temp_dir_root"], str(plan["job_id"]), node)
+
+
+#: Ray's session directory is ``session_<%Y-%m-%d_%H-%M-%S_%f>_<pid>`` (ray/_private/node.py)
+RAY_SESSION_STAMP = "2000-01-01_00-00-00_000000"
+#: the longest Unix socket name Ray makes under ``<session>/sockets/`` (the object store's)
+RAY_LONGEST_SOCKET = "plasma_store"
+#: what Ray (validate_socket_filepath) and the kernel allow in an AF_UNIX path on Linux
+AF_UNIX_PATH_MAX = 107
+
+
+def longest_socket_path(temp_dir: str, pid_digits: int) -> str:
+    """The longest socket path Ray will create under ``temp_dir`` (pid of ``pid_digits`` digits)."""
+    return os.path.join(temp_dir, f"session_{RAY_SESSION_STAMP}_{'9' * pid_digits}", "sockets", RAY_LONGEST_SOCKET)
 
 
 def log_tail(temp_dir: str, names: tuple[str, ...] = ("raylet.out", "raylet.err", "gcs_server.out",
@@ -54,16 +84,6 @@ def log_tail(temp_dir: str, names: tuple[str, ...] = ("raylet.out", "raylet.err"
             text = p.read_text(errors="replace").splitlines()[-lines:]
             chunks.append(f"--- {p}\n" + "\n".join(text))
     return "\n".join(chunks) if chunks else f"(no Ray logs under {logs})"
-
-
-def _wait_port(host: str, port: int, child: subprocess.Popen, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        if tcp_open(host, port):
-            return True
-        if child.poll() is not None and child.returncode != 0:
-            return False
-        time.sleep(0.1)
-    return False
 
 
 class NodeSupervisor:
@@ -80,6 +100,7 @@ class NodeSupervisor:
             raise BootstrapError(f"'{role}' asked on node {self.node}, but the head is {self.plan['head']}")
         self.temp_dir = node_temp_dir(self.plan, self.node)
         self.stopping = False
+        self._squatter: socket.socket | None = None
         self.env = {**os.environ, **ray_env(job_dir), "HPC_VERL_RAY_NODE": self.node}
         # a loaded node starts Ray's agents slowly; the readiness barrier bounds the wait instead
         self.env.setdefault("RAY_agent_register_timeout_ms", "120000")
@@ -137,41 +158,32 @@ class NodeSupervisor:
         ip = select_ip(self.plan.get("interface"), bool(self.plan.get("allow_loopback")))
         layout = dict(self.plan["layout"], node_slot=self.plan["node_slots"][self.node],
                       nodes_per_host=self.plan["nodes_per_host"])
-        ports = pick_node_ports(int(self.plan["job_id"]), head=self.is_head, **layout)
+        job_id = int(self.plan["job_id"])
+        ports = pick_node_ports(job_id, head=self.is_head, **layout)
         self.state(state="starting", ip=ip, ports=ports.to_dict())
         if fault == "hang":
             print(f"hpc_verl.bootstrap[{self.node}]: fault injected: not starting Ray", flush=True)
             while not self._stop_requested():
                 time.sleep(0.2)
             return 1
-        # workers start Ray's CLI now and let it wait for the head's address (import off the critical path)
-        rdir = ray_dir(self.job_dir)
-        cmd = [sys.executable, "-m", "hpc_verl.bootstrap.raystart", "--stop-file", str(rdir / "stop"),
-               "--timeout-s", str(max(deadline - time.monotonic(), 1.0))] \
-            + ([] if self.is_head else ["--head-file", str(rdir / "head.json")]) \
-            + ["--", *self.ray_start_args(ip, ports)]
-        if fault == "crash":
-            cmd = [sys.executable, "-c", "import sys; sys.exit('injected fault: ray start failed')"]
-        os.makedirs(self.temp_dir, exist_ok=True)
-        log_path = os.path.join(self.temp_dir, "ray-start.log")
-        with open(log_path, "ab") as log:
-            child = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
-        if self.is_head:
-            if not _wait_port(ip, ports.gcs, child, deadline):
-                raise BootstrapError(self._start_failure(child, log_path, "GCS did not answer"))
-            atomic_write_json(ray_dir(self.job_dir) / "head.json",
-                              {"node": self.node, "ip": ip, "address": f"{ip}:{ports.gcs}",
-                               "gcs_port": ports.gcs, "dashboard_port": ports.dashboard,
-                               "client_port": ports.client, "dashboard_host": self.plan["dashboard_host"]})
-        while child.poll() is None and not self._stop_requested():
-            if time.monotonic() > deadline:
-                raise BootstrapError(self._start_failure(child, log_path, "ray start did not return"))
-            time.sleep(0.1)
-        if self._stop_requested():
+        if fault == "port-race":  # another process binds one of our ports right after the probe
+            self._squatter = _squat(ports.gcs if self.is_head else ports.node_manager)
+        for attempt in range(1, RAY_START_TRIES + 1):
+            try:
+                child = self._start_ray(ip, ports, deadline, crash=fault == "crash")
+                break
+            except _PortTaken as exc:
+                if attempt == RAY_START_TRIES or time.monotonic() > deadline:
+                    raise BootstrapError(f"node {self.node}: ray start failed {attempt} times on ports taken by "
+                                         f"other processes (last: {exc}); find them with 'ss -ltnp' or change "
+                                         "ray.port_base") from None
+                shift = block_shift(job_id, ports, **layout) + 1
+                ports = pick_node_ports(job_id, head=self.is_head, start_shift=shift, **layout)
+                print(f"hpc_verl.bootstrap[{self.node}]: ray start attempt {attempt} of {RAY_START_TRIES} failed: "
+                      f"{exc}; retrying on the next free port block, {ports.block_start}+", flush=True)
+                self.state(state="starting", ip=ip, ports=ports.to_dict(), retries=attempt)
+        if child is None:  # stop requested during the start
             return 0
-        if child.returncode != 0:
-            raise BootstrapError(self._start_failure(child, log_path, f"ray start exited {child.returncode}"))
         raylet = self._find("raylet")
         self.state(state="running", raylet_pid=raylet, ray_pids=procs.descendants(os.getpid()))
         print(f"hpc_verl.bootstrap[{self.node}]: Ray {'head' if self.is_head else 'worker'} up at {ip} "
@@ -182,6 +194,70 @@ class NodeSupervisor:
                 raise BootstrapError(f"node {self.node}: raylet exited; see {self.temp_dir}/session_latest/logs")
             time.sleep(0.5)
         return 0
+
+    def _start_ray(self, ip: str, ports: Any, deadline: float, crash: bool = False) -> subprocess.Popen | None:
+        """One ``ray start`` on ``ports``; returns once it succeeded (None: the job is stopping).
+
+        The head publishes ``head.json`` as soon as *its own* GCS listens (a port another process took
+        between the probe and the bind answers too, so an open port proves nothing). A failure whose
+        ports are now held by other processes raises :class:`_PortTaken` (the caller moves on to the
+        next block); any other failure is a BootstrapError.
+        """
+        # workers start Ray's CLI now and let it wait for the head's address (import off the critical path)
+        rdir = ray_dir(self.job_dir)
+        cmd = [sys.executable, "-m", "hpc_verl.bootstrap.raystart", "--stop-file", str(rdir / "stop"),
+               "--timeout-s", str(max(deadline - time.monotonic(), 1.0))] \
+            + ([] if self.is_head else ["--head-file", str(rdir / "head.json")]) \
+            + ["--", *self.ray_start_args(ip, ports)]
+        if crash:
+            cmd = [sys.executable, "-c", "import sys; sys.exit('injected fault: ray start failed')"]
+        os.makedirs(self.temp_dir, exist_ok=True)
+        log_path = os.path.join(self.temp_dir, "ray-start.log")
+        with open(log_path, "ab") as log:
+            child = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        if self.is_head:
+            if not self._wait_own_gcs(ip, ports.gcs, child, deadline):
+                self._failed_start(child, log_path, ports, "GCS did not answer")
+            atomic_write_json(ray_dir(self.job_dir) / "head.json",
+                              {"node": self.node, "ip": ip, "address": f"{ip}:{ports.gcs}",
+                               "gcs_port": ports.gcs, "dashboard_port": ports.dashboard,
+                               "client_port": ports.client, "dashboard_host": self.plan["dashboard_host"]})
+        while child.poll() is None and not self._stop_requested():
+            if time.monotonic() > deadline:
+                raise BootstrapError(self._start_failure(child, log_path, "ray start did not return"))
+            time.sleep(0.1)
+        if self._stop_requested():
+            return None
+        if child.returncode != 0:
+            self._failed_start(child, log_path, ports, f"ray start exited {child.returncode}")
+        return child
+
+    def _wait_own_gcs(self, host: str, port: int, child: subprocess.Popen, deadline: float) -> bool:
+        """Until this head's own GCS listens on ``port``; False when ray start or its gcs_server died
+        (ray start itself would keep retrying a GCS that crashed on a taken port for ~40 s)."""
+        gcs_seen = False
+        while time.monotonic() < deadline:
+            if tcp_open(host, port) and procs.listens_in_tree(os.getpid(), port) is not False:
+                return True
+            if child.poll() is not None and child.returncode != 0:
+                return False
+            gcs_alive = any(procs.comm(p) == "gcs_server" for p in procs.descendants(os.getpid()))
+            if gcs_seen and not gcs_alive:
+                return False
+            gcs_seen = gcs_seen or gcs_alive
+            time.sleep(0.1)
+        return False
+
+    def _failed_start(self, child: subprocess.Popen, log_path: str, ports: Any, what: str) -> NoReturn:
+        """Stop what this attempt left running; raise _PortTaken when others now hold its ports."""
+        procs.kill_tree(os.getpid(), grace_s=5.0)
+        taken = [p for p in busy_ports(ports.all_ports(self.is_head))
+                 if procs.listens_in_tree(os.getpid(), p) is not True]
+        if taken:
+            shown = ", ".join(map(str, taken[:6])) + (" ..." if len(taken) > 6 else "")
+            raise _PortTaken(f"{what}; port(s) {shown} of block {ports.block_start} are held by another process")
+        raise BootstrapError(self._start_failure(child, log_path, what))
 
     def _find(self, name: str) -> int | None:
         for pid in procs.descendants(os.getpid()):
@@ -205,6 +281,8 @@ class NodeSupervisor:
     def stop(self) -> None:
         """Stop every process this supervisor started (its descendants), nothing else."""
         killed = procs.kill_tree(os.getpid(), grace_s=6.0)
+        if self._squatter is not None:
+            self._squatter.close()
         st = read_json(ray_dir(self.job_dir) / "nodes" / f"{self.node}.json") or {}
         removed = self._remove_temp_dir()
         self.state(state="failed" if st.get("state") == "failed" else "stopped", stopped_pids=killed,

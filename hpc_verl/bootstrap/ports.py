@@ -127,15 +127,21 @@ def ephemeral_range(proc: Path = Path("/proc")) -> tuple[int, int]:
         return 32768, 60999
 
 
-def pick_node_ports(job_id: int, *, head: bool, max_tries: int = 8, **layout: int) -> PortBlock:
-    """The job's block for this node, moved to the next block only if a port is taken."""
-    shift = 0
+def block_shift(job_id: int, block: PortBlock, *, port_base: int = 20000, port_stride: int = 100,
+                port_slots: int = 120, **_node: int) -> int:
+    """How many blocks ``block`` lies past job ``job_id``'s own block (0 = its own)."""
+    return ((block.block_start - port_base) // port_stride - job_id % port_slots) % port_slots
+
+
+def pick_node_ports(job_id: int, *, head: bool, max_tries: int = 8, start_shift: int = 0, **layout: int) -> PortBlock:
+    """The job's block for this node (or the ``start_shift``-th after it), moved on only if a port is taken."""
+    shift = start_shift
     for _ in range(max_tries):
         block = port_block(job_id, slot_shift=shift, **layout)
         if not busy_ports(block.all_ports(head)):
             return block
         shift += 1
-    first = port_block(job_id, **layout)
+    first = port_block(job_id, slot_shift=start_shift, **layout)
     raise BootstrapError(
         f"ports: job {job_id}'s block at {first.block_start} and the next {max_tries - 1} blocks all have "
         "ports in use on this node; check 'ss -ltnp' or change ray.port_base")

@@ -62,6 +62,43 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on TCP ``port`` (any address, IPv4 or IPv6), from /proc/net/tcp*."""
+    inodes = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as fh:
+                lines = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
+                inodes.add(f[9])
+    return inodes
+
+
+def listens_in_tree(root: int, port: int) -> bool | None:
+    """Whether a descendant of ``root`` holds the socket listening on ``port``: True, False (someone
+    else's, or nobody's yet), None (the kernel's tables are unreadable here: cannot tell)."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return False if os.path.exists("/proc/net/tcp") else None
+    wanted = {f"socket:[{i}]" for i in inodes}
+    for pid in descendants(root):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 def comm(pid: int) -> str:
     st = _stat(pid)
     return st[0] if st else ""

@@ -15,9 +15,11 @@ STYLE = {"OK": "green", "WARN": "yellow", "FAIL": "bold red", "SKIP": "dim"}
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "doctor", help="check a node against its cluster profile (IB, NIC, shm, limits, ports, Ray, GPUs)",
+        "doctor", help="check a node against its cluster profile (IB, NIC, shm, limits, ports, Ray, CPUs, GPUs)",
         description="Check this node against a cluster profile: InfiniBand HCAs active, the profile's "
                     "interface and its IPv4, /dev/shm size, memlock/nofile limits, the job's Ray port block, "
+                    "the length of Ray's Unix socket paths and the filesystem under its temp dir, the CPUs Ray "
+                    "will be told against what the job may use, "
                     "Ray and torch versions, GPUs, the container runtime and IB devices in the container. "
                     "Each check prints OK/WARN/FAIL/SKIP with a one-line fix. Exit 1 if any check FAILs.")
     add_profile_argument(parser, required=False, default=os.environ.get("HPC_VERL_PROFILE", "local"),

@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hpc_verl.errors import ConfigError
-    from hpc_verl.ops.scaling import format_overrides, make_plan, verify_plan
+    from hpc_verl.ops.scaling import add_verl_notes, format_overrides, make_plan, verify_plan
     from hpc_verl.profiles import load_profile
     from hpc_verl.verl_upstream.config import schema as verl_schema
 
@@ -45,6 +45,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     problems = verify_plan(plan, schema)
     if problems:  # a bug in the rules, not a user error: say so plainly
         raise ConfigError(f"plan for profile '{profile.name}' failed its own checks: {problems[0]}")
+    add_verl_notes(plan, profile, schema)
     if args.format == "overrides":
         print(format_overrides(plan))
         return 0

@@ -24,7 +24,7 @@ from hpc_verl.bootstrap.netif import is_bridge
 from hpc_verl.bootstrap.ports import busy_ports, ephemeral_range, pick_node_ports, port_block
 from hpc_verl.ops import sysinfo
 from hpc_verl.ops.sysinfo import Roots
-from hpc_verl.profiles.schema import RaySection
+from hpc_verl.profiles.schema import RaySection, SlurmSection
 from hpc_verl.util.versions import RAY_MIN_VERSION, version_tuple
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
@@ -72,6 +72,8 @@ class Expectations:
     port_stride: int = RaySection.port_stride
     port_slots: int = RaySection.port_slots
     python: str = "python3"
+    temp_dir_root: str = RaySection.temp_dir_root
+    cpus_per_task: int = SlurmSection.cpus_per_task
 
     @classmethod
     def from_profile(cls, p: Any) -> "Expectations":
@@ -88,7 +90,8 @@ class Expectations:
                    mounts=list(c.mounts),
                    ipc_lock=c.ipc_lock, memlock_unlimited=c.memlock_unlimited, accelerator=p.accelerator,
                    gpus_per_node=s.gpus_per_node, port_base=r.port_base, port_stride=r.port_stride,
-                   port_slots=r.port_slots, python=r.python)
+                   port_slots=r.port_slots, python=r.python, temp_dir_root=r.temp_dir_root,
+                   cpus_per_task=s.cpus_per_task)
 
     @property
     def uses_ib(self) -> bool:
@@ -110,6 +113,8 @@ class Context:
     deep: bool = False
     runner: Callable[..., subprocess.CompletedProcess] = subprocess.run
     probe: dict[str, Any] | None = None  # filled by the deep container probe
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))  # SLURM_*, HPCV_RAY_NUM_CPUS
+    node: str | None = None  # this node's name as the job sees it (default: SLURMD_NODENAME or the hostname)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -290,6 +295,101 @@ def check_nofile(exp: Expectations, ctx: Context) -> CheckResult:
         return CheckResult(name, WARN, f"{text}: below the {NOFILE_WANTED} Ray recommends for big clusters",
                            hint)
     return CheckResult(name, OK, text)
+
+
+# a job id of this many digits when none is given (SLURM's ids stay below 67108864 without federation)
+ASSUMED_JOB_ID = 99999999
+NETWORK_FS = ("nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "panfs",
+              "wekafs", "afs", "orangefs", "pvfs2", "fuse.sshfs", "fuse.glusterfs", "fuse.ceph-fuse", "fuse.juicefs",
+              "fuse.gcsfuse", "fuse.s3fs", "fuse.lustre")
+
+
+def _node_name(ctx: Context) -> str:
+    import socket
+
+    return ctx.node or ctx.env.get("SLURMD_NODENAME") or ctx.env.get("HPC_VERL_NODE") or socket.gethostname()
+
+
+def check_ray_socket_path(exp: Expectations, ctx: Context) -> CheckResult:
+    """Ray's Unix sockets live under the job's temp dir; a path over 107 bytes makes ``ray start`` fail."""
+    from hpc_verl.bootstrap.node import AF_UNIX_PATH_MAX, longest_socket_path, node_temp_dir
+
+    name = "ray-socket-path"
+    job = ctx.job_id if ctx.job_id is not None else ASSUMED_JOB_ID
+    node = _node_name(ctx)
+    temp = node_temp_dir({"temp_dir_root": exp.temp_dir_root, "job_id": job}, node)
+    path = longest_socket_path(temp, len(str(sysinfo.pid_max(ctx.roots) - 1)))
+    n = len(path.encode())
+    basis = f"job {job}" + ("" if ctx.job_id is not None else " (an 8-digit id: no --job-id)") + f", node {node}"
+    fix = (f"shorten ray.temp_dir_root ({len(exp.temp_dir_root)} characters now), e.g. /tmp/hpcv; Ray adds "
+           f"/<job>/<node>/session_<date>_<pid>/sockets/{path.rsplit('/', 1)[-1]} below it")
+    if n > AF_UNIX_PATH_MAX:
+        return CheckResult(name, FAIL, f"Ray's socket {path} is {n} bytes ({basis}), over the {AF_UNIX_PATH_MAX} an "
+                           "AF_UNIX path may have: ray start fails with 'AF_UNIX path length cannot exceed'", fix)
+    if n > AF_UNIX_PATH_MAX - 8:
+        return CheckResult(name, WARN, f"Ray's longest socket path is {n} of {AF_UNIX_PATH_MAX} bytes ({basis}): a "
+                           "longer job id or node name tips it over", fix)
+    return CheckResult(name, OK, f"Ray's longest socket path is {n} of {AF_UNIX_PATH_MAX} bytes ({basis})")
+
+
+def check_ray_temp_fs(exp: Expectations, ctx: Context) -> CheckResult:
+    name = "ray-temp-fs"
+    found = sysinfo.mount_of(exp.temp_dir_root, sysinfo.mounts(ctx.roots))
+    if found is None:
+        return CheckResult(name, WARN, f"cannot tell which filesystem holds {exp.temp_dir_root} "
+                           f"({ctx.roots.proc}/self/mounts unreadable)", "check it with 'df -T'")
+    point, fstype = found
+    if fstype in NETWORK_FS:
+        return CheckResult(name, FAIL, f"ray.temp_dir_root {exp.temp_dir_root} is on {fstype} (mounted at {point}): "
+                           "the raylet's Unix sockets and the object store's files break or crawl on a network "
+                           "filesystem, and every node shares the same directory",
+                           "set ray.temp_dir_root to node-local storage (e.g. /tmp/hpcv-ray, or /dev/shm/hpcv "
+                           "where /tmp is shared)")
+    return CheckResult(name, OK, f"ray.temp_dir_root {exp.temp_dir_root} is on {fstype} (mounted at {point})")
+
+
+def check_cpus(exp: Expectations, ctx: Context) -> CheckResult:
+    """What ``ray start --num-cpus`` gets (HPCV_RAY_NUM_CPUS, else SLURM_CPUS_PER_TASK, else Ray counts the
+    node's CPUs) against the CPUs the job may really use."""
+    from hpc_verl.verl_upstream.findings import cpu_shortfall
+
+    name = "cpus"
+    env = ctx.env
+    allowed = sysinfo.allowed_cpus(ctx.roots)
+    online = sysinfo.online_cpus(ctx.roots)
+    in_job = exp.scheduler == "slurm" and bool(env.get("SLURM_JOB_ID"))
+    if env.get("HPCV_RAY_NUM_CPUS", "").isdigit():
+        told, source = int(env["HPCV_RAY_NUM_CPUS"]), "HPCV_RAY_NUM_CPUS"
+    elif in_job and env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        told, source = int(env["SLURM_CPUS_PER_TASK"]), "SLURM_CPUS_PER_TASK"
+    elif exp.scheduler == "slurm" and not in_job:
+        told, source = exp.cpus_per_task, "slurm.cpus_per_task (sbatch --cpus-per-task)"
+    elif exp.scheduler == "local":
+        told, source = exp.cpus_per_task, "slurm.cpus_per_task, passed as HPCV_RAY_NUM_CPUS by the local backend"
+    else:
+        told, source = 0, ""
+    here = in_job or exp.scheduler == "local"  # this process's cpuset is the job's
+    if told == 0:
+        counted = online or allowed
+        if in_job and allowed and online and online > allowed:
+            return CheckResult(name, WARN, f"Ray will count all {online} CPUs of the node, but this job may use "
+                               f"{allowed} (Cpus_allowed_list): it schedules work the cores cannot run",
+                               f"request CPUs per task (slurm.cpus_per_task: {allowed}) or export "
+                               f"HPCV_RAY_NUM_CPUS={allowed}")
+        return CheckResult(name, OK, f"Ray counts the node's CPUs itself ({counted if counted else 'unknown'})")
+    if here and allowed is not None and told > allowed:
+        return CheckResult(name, FAIL, f"Ray will be told {told} CPUs ({source}) but this task may run on "
+                           f"{allowed} (Cpus_allowed_list): Ray places {told} CPUs of work on {allowed} cores",
+                           f"make them agree: slurm.cpus_per_task: {allowed}, or export HPCV_RAY_NUM_CPUS={allowed}")
+    if not here and online is not None and told > online:
+        return CheckResult(name, FAIL, f"{source} is {told}, this node has {online} CPUs: SLURM never starts the "
+                           "job here (it pends)", f"lower slurm.cpus_per_task to at most {online}")
+    detail = f"Ray will be told {told} CPUs per node ({source}); this node has {online or '?'}"
+    short = cpu_shortfall(told, exp.gpus_per_node) if exp.accelerator in ("nvidia", "amd") else None
+    if short:
+        why, _, fix = short.rpartition("; ")
+        return CheckResult(name, WARN, f"{detail}: {why}", fix)
+    return CheckResult(name, OK, detail)
 
 
 def job_port_range(job_id: int, port_base: int, port_stride: int, port_slots: int) -> range:
@@ -505,8 +605,9 @@ def check_container_ib(exp: Expectations, ctx: Context) -> CheckResult:
 
 
 CHECKS: tuple[Callable[[Expectations, Context], CheckResult], ...] = (
-    check_ib, check_interface, check_socket_ifname, check_shm, check_memlock, check_nofile, check_ports, check_ray,
-    check_gpu_devices, check_torch, check_runtime, check_container_ib)
+    check_ib, check_interface, check_socket_ifname, check_shm, check_memlock, check_nofile, check_ports,
+    check_ray_socket_path, check_ray_temp_fs, check_cpus, check_ray, check_gpu_devices, check_torch, check_runtime,
+    check_container_ib)
 
 
 # ----------------------------------------------------------------------------- deep probe

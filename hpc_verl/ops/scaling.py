@@ -248,6 +248,25 @@ def _micro_for(mem: float | None, params_b: float, per_gpu_mini: int) -> int:
     return best
 
 
+def add_verl_notes(plan: Plan, profile: Any, schema: Any) -> list[Recommendation]:
+    """What upstream verl will do with the plan's overrides on this profile (hpc_verl.verl_upstream.findings),
+    added to the plan as notes; composed with the installed verl's config when there is one."""
+    from hpc_verl.verl_upstream import findings
+    from hpc_verl.verl_upstream.command import resolved_config
+
+    derived = [r.as_override() for r in plan.rows if r.kind == "derived"]
+    if schema is not None and schema.source == "hydra":
+        cfg = resolved_config([*derived, *plan.overrides])
+    else:
+        cfg = {r.key: typed_value(r.value) for r in plan.rows if r.kind in ("override", "derived")}
+    found = findings.review(cfg, findings.user_keys_of(plan.overrides), schema.version if schema else None,
+                            plan.nodes, plan.gpus_per_node, time_limited=profile.scheduler == "slurm",
+                            transport=profile.network.transport)
+    notes = [Recommendation(f.key, f.level, f.message, "note") for f in found]
+    plan.rows += notes
+    return notes
+
+
 def format_overrides(plan: Plan) -> str:
     return "\n".join(plan.overrides)
 

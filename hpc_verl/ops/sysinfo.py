@@ -194,6 +194,62 @@ def fs_size_bytes(path: Path) -> int | None:
     return st.f_blocks * st.f_frsize
 
 
+def mounts(roots: Roots) -> list[tuple[str, str]]:
+    """(mount point, filesystem type) from ``<proc>/self/mounts`` (octal escapes such as ``\\040`` decoded)."""
+    out = []
+    for line in (_read(roots.proc / "self" / "mounts") or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 3:
+            point = parts[1].encode().decode("unicode_escape") if "\\" in parts[1] else parts[1]
+            out.append((point, parts[2]))
+    return out
+
+
+def mount_of(path: str, table: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The mount (point, type) that holds ``path``: the longest mount point above it (last mount wins)."""
+    norm = os.path.normpath(path)
+    best: tuple[str, str] | None = None
+    for point, fstype in table:
+        p = os.path.normpath(point)
+        if norm == p or norm.startswith(p.rstrip("/") + "/"):
+            if best is None or len(p) >= len(os.path.normpath(best[0])):
+                best = (point, fstype)
+    return best
+
+
+def cpu_list_count(text: str | None) -> int | None:
+    """``"0-3,8,10-11"`` -> 7 (the kernel's CPU list format); None when absent or malformed."""
+    if not text:
+        return None
+    n = 0
+    try:
+        for part in text.strip().split(","):
+            lo, _, hi = part.partition("-")
+            n += int(hi or lo) - int(lo) + 1
+    except ValueError:
+        return None
+    return n
+
+
+def allowed_cpus(roots: Roots, pid: str = "self") -> int | None:
+    """CPUs this process may run on (``Cpus_allowed_list``: SLURM's cpuset/affinity for a job step)."""
+    for line in (_read(roots.proc / pid / "status") or "").splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return cpu_list_count(line.split(":", 1)[1])
+    return None
+
+
+def online_cpus(roots: Roots) -> int | None:
+    """CPUs of the node (``<sysfs>/devices/system/cpu/online``), what Ray counts when not told."""
+    return cpu_list_count(_read(roots.sysfs / "devices" / "system" / "cpu" / "online"))
+
+
+def pid_max(roots: Roots) -> int:
+    """The largest process id plus one (``<proc>/sys/kernel/pid_max``; the kernel's default when unreadable)."""
+    text = _read(roots.proc / "sys" / "kernel" / "pid_max")
+    return int(text) if text and text.isdigit() else 4194304
+
+
 # ----------------------------------------------------------------------------- GPUs
 def nvidia_gpu_count(roots: Roots) -> int | None:
     """GPUs the NVIDIA driver knows (``<proc>/driver/nvidia/gpus/*``); None without the driver."""

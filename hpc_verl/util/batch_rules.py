@@ -98,7 +98,8 @@ def _sp(cfg: Mapping[str, Any], section: str, world: int, problems: list[str]) -
     return _positive(cfg, f"{section}.ulysses_sequence_parallel_size", problems) or 1
 
 
-def batch_problems(cfg: Mapping[str, Any], dp_sizes: Mapping[str, int], *, gpus_per_node: int = 0) -> list[str]:
+def batch_problems(cfg: Mapping[str, Any], dp_sizes: Mapping[str, int], *, gpus_per_node: int = 0,
+                   replica_may_span: bool = False) -> list[str]:
     """Problems (one line each, with the numbers and a fix) of a PPO config on these worker groups.
 
     ``dp_sizes[role]`` (roles in ``ROLES``) is the number of ranks the role's batch is
@@ -107,7 +108,9 @@ def batch_problems(cfg: Mapping[str, Any], dp_sizes: Mapping[str, int], *, gpus_
     one sample stream, so ``dp_sizes[role] // sp`` ranks take distinct data. 0 or a
     missing role means CPU: one worker does everything and no per-GPU split is
     checked. ``gpus_per_node`` > 0 adds the rollout tensor-parallel check (a group must
-    sit inside one node). ``cfg`` is nested or flat (``{"data.train_batch_size": 8}``).
+    sit inside one node; ``replica_may_span``: upstream verl runs a replica larger than a
+    node, judged by hpc_verl.verl_upstream.findings instead). ``cfg`` is nested or flat
+    (``{"data.train_batch_size": 8}``).
     """
     problems: list[str] = []
     tbs = _positive(cfg, "data.train_batch_size", problems)
@@ -119,7 +122,7 @@ def batch_problems(cfg: Mapping[str, Any], dp_sizes: Mapping[str, int], *, gpus_
     if not _dynamic(cfg, ACTOR):
         problems += _train_batch(tbs, n, {r: worlds[r] for r in active})
     if gpus_per_node > 0:
-        problems += _tensor_parallel(cfg, gpus_per_node)
+        problems += _tensor_parallel(cfg, gpus_per_node, replica_may_span)
     for role in active:
         if not _dynamic(cfg, _SECTION[role]):
             problems += _update_batches(cfg, role, tbs, n, worlds[role])
@@ -150,11 +153,13 @@ def _gcd(a: int, b: int) -> int:
     return math.gcd(a, b) or 1
 
 
-def _tensor_parallel(cfg: Mapping[str, Any], gpus_per_node: int) -> list[str]:
+def _tensor_parallel(cfg: Mapping[str, Any], gpus_per_node: int, may_span: bool = False) -> list[str]:
     """The rollout tensor-parallel group must sit inside one node and divide its GPUs."""
     problems: list[str] = []
     key = f"{ROLLOUT}.tensor_model_parallel_size"
     tp = _positive(cfg, key, problems)
+    if tp is not None and may_span and tp > gpus_per_node:
+        return problems
     if tp is not None and gpus_per_node % tp:
         problems.append(f"{key} ({tp}) does not divide the {gpus_per_node} GPUs per node: a tensor-parallel "
                         f"group must sit inside one node; use one of {_divisors(gpus_per_node, gpus_per_node)}")
@@ -226,8 +231,10 @@ def _log_prob_batches(cfg: Mapping[str, Any], world: int) -> list[str]:
     return out
 
 
-def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int) -> list[str]:
+def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int,
+                         replica_may_span: bool = False) -> list[str]:
     """``batch_problems`` for verl's layout: every role on all ``nnodes × gpus_per_node`` GPUs
     (0 GPUs per node: a CPU job, one worker)."""
     gpus = max(0, nnodes * gpus_per_node)
-    return batch_problems(cfg, {role: gpus for role in ROLES}, gpus_per_node=gpus_per_node)
+    return batch_problems(cfg, {role: gpus for role in ROLES}, gpus_per_node=gpus_per_node,
+                          replica_may_span=replica_may_span)

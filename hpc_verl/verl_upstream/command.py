@@ -52,6 +52,8 @@ class VerlCommand:
     env_required: list[str] = field(default_factory=list)
     verl_version: str | None = None
     warnings: list[str] = field(default_factory=list)
+    #: the config main_ppo will see (composed and resolved; only the user's values without verl)
+    resolved: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def overrides(self) -> list[str]:
@@ -114,9 +116,10 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
         resolved.update(_flat_values(all_parsed))
     else:
         resolved = _flat_values(parsed)
-    problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node)
+    problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node, replica_may_span=True)
     if problems:
         raise ConfigError(f"{job_label} on {alloc.source}: {one_line(problems)}")
+    cmd.resolved = resolved
     return cmd
 
 

@@ -202,8 +202,25 @@ def derived_overrides(profile: Profile, job: JobConfig) -> list[tuple[str, str]]
               ("trainer.default_local_dir", "$HPCV_RUN_DIR/checkpoints")]
     if job.model.path:
         wanted.append(("actor_rollout_ref.model.path", "$HPCV_MODEL_PATH"))
+    if _is_verl(job):
+        from hpc_verl.verl_upstream.expiry import derived_overrides as verl_expiry_overrides
+        wanted += verl_expiry_overrides(profile.slurm.signal_lead_s)
     given = {k.lstrip("+~") for k in job.trainer.overrides}
     return [(k, v) for k, v in wanted if k not in given]
+
+
+def _is_verl(job: JobConfig) -> bool:
+    from hpc_verl.launch.verl import trainer_kind
+    return trainer_kind(job) == "verl"
+
+
+def _expiry_context(profile: Profile, job: JobConfig) -> dict[str, Any] | None:
+    """What partials/verl_expiry.sh.j2 renders: SLURM jobs of upstream verl only (None: not rendered)."""
+    if profile.scheduler != "slurm" or not _is_verl(job):
+        return None
+    from hpc_verl.trainer.checkpoint import REQUEUE_EXIT_CODE
+    from hpc_verl.verl_upstream import expiry
+    return {"env": expiry.EXPIRY_ENV, "poll_s": int(expiry.POLL_DEFAULT_S), "requeue_exit": REQUEUE_EXIT_CODE}
 
 
 def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False) -> dict[str, Any]:
@@ -230,6 +247,8 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False) -> dict
         "trainer_args": [*job.trainer.args, *job.trainer_override_args()],
         "derived": derived_overrides(profile, job),
         "requeue_exit_code": requeue_exit_code(profile),
+        "verl_job": _is_verl(job),
+        "expiry": _expiry_context(profile, job),
     }
 
 

@@ -19,8 +19,10 @@ from typing import Any
 
 from hpc_verl.errors import ConfigError
 from hpc_verl.util.batch_rules import check_ppo_arithmetic
+from hpc_verl.verl_upstream import findings
 from hpc_verl.verl_upstream.command import MODULE as VERL_MODULE
 from hpc_verl.verl_upstream.command import Allocation, VerlCommand, VerlNotInstalledWarning, build_verl_command
+from hpc_verl.verl_upstream.overrides import one_line
 
 ALLOCATION_KEYS = ("trainer.nnodes", "trainer.n_gpus_per_node")
 
@@ -62,6 +64,13 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
             warnings.simplefilter("ignore", VerlNotInstalledWarning)
             cmd = build_verl_command(_user_overrides(job), alloc, python=getattr(profile.ray, "python", "python3"),
                                      attach_to_ray=True, where=f"job config {_source(job)}: verl override")
+        errors, notes = findings.split(findings.review(
+            cmd.resolved, findings.user_keys_of(cmd.user), cmd.verl_version, alloc.nnodes, alloc.gpus_per_node,
+            time_limited=profile.scheduler == "slurm", transport=profile.network.transport,
+            cpus_per_node=alloc.cpus_per_node if profile.accelerator in ("nvidia", "amd") else None))
+        if errors:
+            raise ConfigError(f"job config {_source(job)}: {one_line(errors)}")
+        cmd.warnings += notes
         for line in cmd.warnings:  # one clean line for the person at the terminal
             print(f"hpc-verl: warning: {line}", file=sys.stderr)
         return TrainerCheck("verl", cmd, list(cmd.warnings))

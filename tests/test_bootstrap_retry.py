@@ -1,0 +1,89 @@
+"""A port taken between the probe and Ray's bind: the node's ``ray start`` is retried on the next
+free block (bounded, logged), and the head publishes only an address its own GCS listens on.
+
+Real Ray head (``python -m hpc_verl.bootstrap head`` as srun would run it, no SLURM needed); the
+"other process" is the supervisor itself binding the probed GCS port (HPC_VERL_FAULT=port-race),
+which is what another job's Ray does on a shared node.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_verl.bootstrap import procs
+from hpc_verl.bootstrap.node import RAY_START_TRIES
+from hpc_verl.bootstrap.ports import busy_ports, ephemeral_range
+from slurm_bed import _listening_ports
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_base(width: int = 300) -> int:
+    lo, _ = ephemeral_range()
+    for base in range(21000, min(lo, 32000) - width, 500):
+        if not busy_ports(list(range(base, base + width))):
+            return base
+    pytest.skip("no free port window below the ephemeral range")
+
+
+def _bootstrap(*args: str, env: dict, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hpc_verl.bootstrap", *args], env=env, **kw)
+
+
+def test_head_retries_on_the_next_block_when_its_port_is_taken(tmp_path):
+    base = _free_base()
+    temp_root = tempfile.mkdtemp(prefix="hpcvr", dir="/tmp")
+    job = tmp_path / "job"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "HPC_VERL_FAULT": "port-race", "HPC_VERL_FAULT_NODE": "solo", "RAY_USAGE_STATS_ENABLED": "0"}
+    for k in ("RAY_ADDRESS", "SLURMD_NODENAME", "SLURM_GPUS_ON_NODE"):
+        env.pop(k, None)
+    plan = _bootstrap("plan", "--job-dir", str(job), "--job-id", "0", "--nodelist", "solo", "--node-hosts",
+                      "solo=here", "--gpus-per-node", "0", "--num-cpus", "1", "--port-base", str(base),
+                      "--port-stride", "100", "--port-slots", "3", "--allow-loopback", "true", "--temp-dir-root",
+                      temp_root, "--timeout-s", "150", env=env, stdout=subprocess.PIPE, text=True)
+    assert plan.wait(timeout=60) == 0
+    log = tmp_path / "head.log"
+    with open(log, "w") as out:
+        head = _bootstrap("head", "--job-dir", str(job), "--node", "solo", env=env, stdout=out,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+    state_file = job / "ray" / "nodes" / "solo.json"
+    try:
+        deadline = time.monotonic() + 170
+        state: dict = {}
+        while time.monotonic() < deadline:
+            state = json.loads(state_file.read_text()) if state_file.exists() else {}
+            if state.get("state") in ("running", "failed") or head.poll() is not None:
+                break
+            time.sleep(0.3)
+        text = log.read_text()
+        assert state.get("state") == "running", f"{state}\n{text}"
+        assert state["retries"] == 1 and state["ports"]["block_start"] == base + 100  # the next block
+        assert f"ray start attempt 1 of {RAY_START_TRIES} failed" in text and "held by another process" in text
+        assert f"retrying on the next free port block, {base + 100}+" in text
+        published = json.loads((job / "ray" / "head.json").read_text())
+        assert published["gcs_port"] == base + 100  # never the taken port, which also "answers"
+        assert procs.listens_in_tree(head.pid, base + 100) is True  # the GCS there is this head's own
+        # the first block's GCS port is still held, by the "other process" (not one of the head's Ray daemons)
+        assert busy_ports([base]) == [base] and procs.listens_in_tree(head.pid, base) is False
+    finally:
+        (job / "ray" / "stop").write_text("")
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, 9)
+            head.wait()
+    assert head.returncode == 0, log.read_text()
+    final = json.loads(state_file.read_text())
+    assert final["state"] == "stopped" and final["temp_dir_removed"]
+    # nothing listens on either block any more (closed connections may linger in TIME_WAIT)
+    assert not set(range(base, base + 300)) & _listening_ports()
+    os.rmdir(temp_root) if os.path.isdir(temp_root) and not os.listdir(temp_root) else None
