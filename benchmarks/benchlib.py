@@ -206,6 +206,13 @@ def fmt(v: Any) -> str:
     return str(v)
 
 
+def publish(con: Any, report: Mapping[str, Any], path: str | None, show: Callable[[Any, Any], None]) -> int:
+    """Print the report (the benchmark's own tables) and write it with ``--json``; the exit status."""
+    show(con, report)
+    write_report(path, report)
+    return 0
+
+
 def ratio_line(report: Mapping[str, Any]) -> str:
     """The one line every benchmark ends with."""
     if report["ratio"] is None:
@@ -220,8 +227,10 @@ def add_common_args(parser: Any, repeats: int = 3) -> None:
                              "figures worth quoting)")
 
 
-def check_repeats(parser: Any, repeats: int) -> list[str]:
-    """Argument check shared by the benchmarks; returns the notes to attach to the report."""
-    if repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {repeats}")
-    return [] if repeats >= 3 else [f"only {repeats} repeat(s): a check of the script, not a figure to quote"]
+def parse(parser: Any, argv: Sequence[str] | None) -> tuple[Any, Any]:
+    """(parser, args) with the shared checks done; ``args.notes`` holds the notes for the report."""
+    a = parser.parse_args(argv)
+    if a.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {a.repeats}")
+    a.notes = [] if a.repeats >= 3 else [f"only {a.repeats} repeat(s): a check of the script, not a figure to quote"]
+    return parser, a

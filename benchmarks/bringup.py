@@ -150,7 +150,7 @@ def probe(d: Path, n: int, gpus: int, job_root: str | None, timeout_s: float = 3
     import ray._raylet  # noqa: F401 - the heavy import before arming, not inside the measurement
 
     from hpc_verl.bootstrap.barrier import gcs_node_infos
-    from hpc_verl.bootstrap.plan import ray_dir, ray_env
+    from hpc_verl.bootstrap.plan import ray_env
     (d / "armed").write_text("1\n")
     deadline = time.monotonic() + timeout_s
     address = None
@@ -377,9 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from hpc_verl.testbed.cluster import MAX_NODES
-    p = build_parser()
-    a = p.parse_args(argv)
-    a.notes = B.check_repeats(p, a.repeats)
+    p, a = B.parse(build_parser(), argv)
     try:
         a.node_sizes = sorted({int(x) for x in a.nodes.split(",") if x.strip()})
     except ValueError:
@@ -455,9 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bed.down()
         shutil.rmtree(temp_root, ignore_errors=True)
     report = build_report(a, runs, B.finish(env0), poll_ms, sym)
-    show(con, report)
-    B.write_report(a.json, report)
-    return 0
+    return B.publish(con, report, a.json, show)
 
 
 if __name__ == "__main__":

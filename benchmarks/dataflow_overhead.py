@@ -153,7 +153,10 @@ def run_hand(stages: list[list[Any]], items: list, mb: int, window: int) -> tupl
             flight[ref] = (nxt, picks)
             active += len(batches[nxt])
             nxt += 1
-        done, _ = ray.wait(list(flight), num_returns=1)
+        refs = list(flight)
+        done, rest = ray.wait(refs, num_returns=1, fetch_local=False)
+        if rest:  # and every other one that is done by now: one pass frees the window for several
+            done += ray.wait(rest, num_returns=len(rest), timeout=0, fetch_local=False)[0]
         for ref in done:
             i, picks = flight.pop(ref)
             results[i] = ref
@@ -282,9 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
-    a = p.parse_args(argv)
-    a.notes = B.check_repeats(p, a.repeats)
+    p, a = B.parse(build_parser(), argv)
     try:
         a.par = [int(x) for x in a.parallelism.split(",") if x.strip()]
     except ValueError:
@@ -445,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["RAY_AUTH_MODE"] = "disabled"
+    # compiled graphs spin on shared-memory channels; on a small shared CPU their default 10 s wait is too short
+    os.environ.setdefault("RAY_CGRAPH_get_timeout", "120")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(B.REPO), os.environ.get("PYTHONPATH")]))
     import ray
 
@@ -467,9 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         ray.shutdown()
     report = build_report(a, rows, B.finish(env))
-    show(con, report)
-    B.write_report(a.json, report)
-    return 0
+    return B.publish(con, report, a.json, show)
 
 
 if __name__ == "__main__":

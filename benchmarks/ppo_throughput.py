@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import benchlib as B  # noqa: E402
 from hpc_verl.errors import report_errors  # noqa: E402
 from benchmarks.counting import ours_round_counts  # noqa: E402
-from benchmarks.rl_common import SIZES, make_assets, ours_command, run_child, trl_command  # noqa: E402
+from benchmarks.rl_common import (add_workload_args, check_workload_args, make_assets, ours_command,  # noqa: E402
+                                  run_child, trl_command, workload_settings)
 
 SIDES = {"ours": "ours (hpc-verl train, Ray; old log-probs by a separate forward)",
          "trl": "TRL GRPOTrainer (no gradient checkpointing, beta=0)",
@@ -47,19 +48,9 @@ SIDES = {"ours": "ours (hpc-verl train, Ray; old log-probs by a separate forward
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=sorted(SIZES), default="default",
-                   help="model size: " + ", ".join(f"{k} = hidden {v[0]} x {v[1]} layers" for k, v in SIZES.items()))
-    p.add_argument("--hidden", type=int, help="override the size's hidden width")
-    p.add_argument("--layers", type=int, help="override the size's layer count")
-    p.add_argument("--heads", type=int, help="override the size's attention heads")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per round (default: %(default)s)")
-    p.add_argument("--group", type=int, default=8, help="completions per prompt (default: %(default)s)")
-    p.add_argument("--response-length", type=int, default=32, help="tokens per response, forced (default: %(default)s)")
-    p.add_argument("--updates-per-round", type=int, default=4, help="optimizer steps per round (default: %(default)s)")
+    add_workload_args(p)
     p.add_argument("--rounds", type=int, default=4, help="timed rounds per run (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed first rounds per run (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process, both sides (default: %(default)s)")
-    p.add_argument("--cores", type=int, default=None, help="CPUs each side is pinned to (default: all usable)")
     p.add_argument("--no-shortcut", action="store_true", help="skip the extra sampler-log-prob row of ours")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per run (default: %(default)s)")
     B.add_common_args(p)
@@ -67,35 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
-    a = p.parse_args(argv)
-    notes = B.check_repeats(p, a.repeats)
-    hidden, layers, heads = SIZES[a.size]
-    a.hidden, a.layers, a.heads = a.hidden or hidden, a.layers or layers, a.heads or heads
-    for name in ("prompts", "response_length", "updates_per_round", "rounds", "warmup", "threads",
-                 "hidden", "layers", "heads"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.group < 2:
-        p.error(f"--group must be >= 2 (GRPO normalises within a group), got {a.group}")
-    if a.prompts % a.updates_per_round:
-        p.error(f"--prompts {a.prompts} must be a multiple of --updates-per-round {a.updates_per_round} "
-                "(each optimizer step takes whole prompt groups)")
-    if a.hidden % a.heads:
-        p.error(f"--hidden {a.hidden} must be a multiple of --heads {a.heads}")
-    try:
-        a.cpus = B.cpu_set(a.cores)
-    except B.BenchError as exc:
-        p.error(str(exc))
-    a.notes = notes
+    p, a = B.parse(build_parser(), argv)
+    check_workload_args(p, a, also=("rounds", "warmup"))
     return a
 
 
 def settings(a: argparse.Namespace, shortcut: bool = False) -> dict[str, Any]:
-    return {"size": a.size, "hidden": a.hidden, "layers": a.layers, "heads": a.heads, "prompts": a.prompts,
-            "group": a.group, "response_length": a.response_length, "updates_per_round": a.updates_per_round,
-            "rounds": a.rounds, "warmup": a.warmup, "threads": a.threads, "cores": len(a.cpus), "cpus": a.cpus,
-            "repeats": a.repeats, "old_log_prob_from_rollout": shortcut, "ppo_epochs": 1}
+    return {**workload_settings(a, shortcut), "rounds": a.rounds, "warmup": a.warmup}
 
 
 def run_side(side: str, a: argparse.Namespace, model: Path, data: Path, work: Path, tag: str) -> dict[str, Any]:
@@ -234,9 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    f"(load {rec['loadavg_before'][0]:.1f})")
                 prog.advance(task)
     report = build_report(a, runs, B.finish(env), params)
-    show(con, report)
-    B.write_report(a.json, report)
-    return 0
+    return B.publish(con, report, a.json, show)
 
 
 if __name__ == "__main__":

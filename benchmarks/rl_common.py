@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from benchmarks.benchlib import REPO, BenchError, pin_to, thread_env
+from benchmarks.benchlib import REPO, BenchError, cpu_set, pin_to, thread_env
 from benchmarks.counting import PassCounter, delta
 
 # name -> (hidden, layers, heads); intermediate is 2 x hidden (make_tiny_model's default)
@@ -72,6 +72,49 @@ def never_stop(model_dir: Path) -> int:
         gen["eos_token_id"] = eos
         gen_path.write_text(json.dumps(gen, indent=2))
     return eos
+
+
+def add_workload_args(p: Any) -> None:
+    """The workload both sides run (ppo_throughput and startup share it)."""
+    p.add_argument("--size", choices=sorted(SIZES), default="default",
+                   help="model size: " + ", ".join(f"{k} = hidden {v[0]} x {v[1]} layers" for k, v in SIZES.items()))
+    p.add_argument("--hidden", type=int, help="override the size's hidden width")
+    p.add_argument("--layers", type=int, help="override the size's layer count")
+    p.add_argument("--heads", type=int, help="override the size's attention heads")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per round (default: %(default)s)")
+    p.add_argument("--group", type=int, default=8, help="completions per prompt (default: %(default)s)")
+    p.add_argument("--response-length", type=int, default=32, help="tokens per response, forced (default: %(default)s)")
+    p.add_argument("--updates-per-round", type=int, default=4, help="optimizer steps per round (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process, every side (default: %(default)s)")
+    p.add_argument("--cores", type=int, default=None, help="CPUs every side is pinned to (default: all usable)")
+
+
+def check_workload_args(p: Any, a: Any, also: Sequence[str] = ()) -> None:
+    """One line and exit 2 for a workload the trainers cannot run; fills in the size and ``a.cpus``."""
+    hidden, layers, heads = SIZES[a.size]
+    a.hidden, a.layers, a.heads = a.hidden or hidden, a.layers or layers, a.heads or heads
+    for name in ("prompts", "response_length", "updates_per_round", "threads", "hidden", "layers", "heads", *also):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.group < 2:
+        p.error(f"--group must be >= 2 (GRPO normalises within a group), got {a.group}")
+    if a.prompts % a.updates_per_round:
+        p.error(f"--prompts {a.prompts} must be a multiple of --updates-per-round {a.updates_per_round} "
+                "(each optimizer step takes whole prompt groups)")
+    if a.hidden % a.heads:
+        p.error(f"--hidden {a.hidden} must be a multiple of --heads {a.heads}")
+    try:
+        a.cpus = cpu_set(a.cores)
+    except BenchError as exc:
+        p.error(str(exc))
+
+
+def workload_settings(a: Any, shortcut: bool = False) -> dict[str, Any]:
+    """What both sides are told to do (and what the report records)."""
+    return {"size": a.size, "hidden": a.hidden, "layers": a.layers, "heads": a.heads, "prompts": a.prompts,
+            "group": a.group, "response_length": a.response_length, "updates_per_round": a.updates_per_round,
+            "threads": a.threads, "cores": len(a.cpus), "cpus": a.cpus, "repeats": a.repeats,
+            "old_log_prob_from_rollout": shortcut, "ppo_epochs": 1}
 
 
 def per_step(s: Mapping[str, Any]) -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -36,8 +35,8 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import benchlib as B  # noqa: E402
-from benchmarks.rl_common import (SIZES, child_env, make_assets, ours_command, trl_command,  # noqa: E402
-                                  run_child)
+from benchmarks.rl_common import (add_workload_args, check_workload_args, child_env, make_assets,  # noqa: E402
+                                  ours_command, run_child, trl_command, workload_settings)
 from hpc_verl.errors import report_errors  # noqa: E402
 
 SIDES = {"submit": "hpc-verl submit --profile local (whole local pipeline)",
@@ -103,7 +102,7 @@ def run_submit(a: argparse.Namespace, model: Path, data: Path, work: Path) -> di
     """``hpc-verl submit --profile local``: stdout lines time-stamped as they come; step 1 by polling."""
     import yaml
 
-    cmd = ours_command(settings(a), model, data, Path("unused"), 1)
+    cmd = ours_command(workload_settings(a), model, data, Path("unused"), 1)
     overrides = dict(arg.split("=", 1) for arg in cmd[4:])
     for key in ("actor_rollout_ref.model.path", "data.train_files", "hpc_verl.run_dir"):
         overrides.pop(key)  # the launcher derives them from the job's model/data and its run dir
@@ -141,14 +140,14 @@ def run_submit(a: argparse.Namespace, model: Path, data: Path, work: Path) -> di
 
     def at(text: str) -> float | None:
         return next((t for t, line in lines if text in line), None)
-    phases = {"to_validate_s": at("stage"), "model_check_start_s": at("stage model-check: start"),
-              "ray_up_start_s": at("ray-up: head"), "ray_ready_s": at("Ray ready"),
-              "train_start_s": at("stage train: start"), "first_step_s": first}
+    phases = {"at_first_stage_s": at("stage"), "at_model_check_s": at("stage model-check: start"),
+              "at_ray_up_s": at("ray-up: head"), "at_ray_ready_s": at("Ray ready"),
+              "at_train_stage_s": at("stage train: start")}
     return {"first_step_s": first, "phases": phases}
 
 
 def run_train(a: argparse.Namespace, model: Path, data: Path, work: Path) -> dict[str, Any]:
-    cmd = ours_command(settings(a), model, data, work / "run", 1)
+    cmd = ours_command(workload_settings(a), model, data, work / "run", 1)
     marks_file = work / "marks.json"
     t0 = time.time()
     run_child([sys.executable, "-m", "benchmarks.startup", "--timed-train", str(marks_file), "--", *cmd[3:]],
@@ -164,12 +163,12 @@ def run_train(a: argparse.Namespace, model: Path, data: Path, work: Path) -> dic
               "ray_start_s": span("ray_init"), "actors_start_s": span("actors_start"),
               "actor_init_max_s": round(max(d for _, d in inits), 3) if inits else None,
               "actor_init_sum_s": round(sum(d for _, d in inits), 3) if inits else None,
-              "first_step_s": span("step")}
+              "step1_s": span("step")}
     return {"first_step_s": m["step"][0][1] - t0, "phases": phases, "missing_timers": m.get("missing", [])}
 
 
 def run_trl(a: argparse.Namespace, model: Path, data: Path, work: Path) -> dict[str, Any]:
-    spec = {"settings": settings(a), "steps": 1, "model": str(model), "data": str(data), "work": str(work)}
+    spec = {"settings": workload_settings(a), "steps": 1, "model": str(model), "data": str(data), "work": str(work)}
     spec_file, out_file = work / "trl.spec.json", work / "trl.out.json"
     spec_file.write_text(json.dumps(spec))
     t0 = time.time()
@@ -181,7 +180,7 @@ def run_trl(a: argparse.Namespace, model: Path, data: Path, work: Path) -> dict[
     return {"first_step_s": out["round_ends"][0] - t0, "versions": out["versions"],
             "phases": {"python_and_imports_s": round(out["t_start"] - t0 + ph["imports_s"], 3),
                        "trainer_init_s": round(ph["trainer_init_s"], 3),
-                       "first_step_s": round(ph["first_round_s"], 3)}}
+                       "step1_s": round(ph["first_round_s"], 3)}}
 
 
 RUNNERS = {"submit": run_submit, "train": run_train, "trl": run_trl}
@@ -190,13 +189,7 @@ RUNNERS = {"submit": run_submit, "train": run_train, "trl": run_trl}
 # ---------------------------------------------------------------- orchestration
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=sorted(SIZES), default="default")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--response-length", type=int, default=32)
-    p.add_argument("--updates-per-round", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process (default: %(default)s)")
-    p.add_argument("--cores", type=int, default=None, help="CPUs every side is pinned to (default: all usable)")
+    add_workload_args(p)
     p.add_argument("--sides", default="submit,train,trl", help="(default: %(default)s)")
     p.add_argument("--timeout-s", type=float, default=1800.0)
     B.add_common_args(p)
@@ -204,31 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
-    a = p.parse_args(argv)
-    a.notes = B.check_repeats(p, a.repeats)
+    p, a = B.parse(build_parser(), argv)
     a.side_list = [s.strip() for s in a.sides.split(",") if s.strip()]
     bad = [s for s in a.side_list if s not in RUNNERS]
     if bad or "trl" not in a.side_list or len(a.side_list) < 2:
         p.error(f"--sides {a.sides!r}: give trl and at least one of submit, train (known: {', '.join(RUNNERS)})")
-    for name in ("prompts", "group", "response_length", "updates_per_round", "threads"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.prompts % a.updates_per_round:
-        p.error(f"--prompts {a.prompts} must be a multiple of --updates-per-round {a.updates_per_round}")
-    try:
-        a.cpus = B.cpu_set(a.cores)
-    except B.BenchError as exc:
-        p.error(str(exc))
+    check_workload_args(p, a)
     return a
-
-
-def settings(a: argparse.Namespace) -> dict[str, Any]:
-    hidden, layers, heads = SIZES[a.size]
-    return {"size": a.size, "hidden": hidden, "layers": layers, "heads": heads, "prompts": a.prompts,
-            "group": a.group, "response_length": a.response_length, "updates_per_round": a.updates_per_round,
-            "threads": a.threads, "cores": len(a.cpus), "cpus": a.cpus, "repeats": a.repeats,
-            "old_log_prob_from_rollout": False}
 
 
 def build_report(a: argparse.Namespace, runs: dict[str, list[dict]], env: dict) -> dict[str, Any]:
@@ -249,7 +224,7 @@ def build_report(a: argparse.Namespace, runs: dict[str, list[dict]], env: dict) 
         if r["name"] == head:
             r["kind"] = "ours"
     env["versions"].update(runs["trl"][0].get("versions", {}))
-    return B.make_report("startup", ratio=ratio, baseline="trl", rows=rows, settings=settings(a), env=env,
+    return B.make_report("startup", ratio=ratio, baseline="trl", rows=rows, settings=workload_settings(a), env=env,
                          ratio_definition=f"{head}'s time to the first finished step over TRL's; lower is better",
                          equal_work_ok=True, notes=a.notes)
 
@@ -260,7 +235,7 @@ def show(con: Any, report: dict) -> None:
                       ["side", "first step s", "min", "max", "vs TRL"], [[r["name"], r["first_step_s"],
                                                                          *r["spread_s"], r["ratio_vs_baseline"]]
                                                                         for r in report["rows"]]))
-    con.print(B.table("phases (median seconds; *_s at a line of the log for submit, span lengths otherwise)",
+    con.print(B.table("where the time goes (median s): at_* = when the submit log showed that stage; others = spans",
                       ["phase", *[r["name"] for r in report["rows"]]],
                       [[k, *[r["phases_median_s"].get(k) for r in report["rows"]]] for k in keys]))
     for note in report["notes"]:
@@ -278,8 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {s: [] for s in a.side_list}
     with tempfile.TemporaryDirectory(prefix="hpcv-startup-") as d:
         root = Path(d)
-        hidden, layers, heads = SIZES[a.size]
-        model, data, params = make_assets(root / "assets", hidden, layers, heads, 256)
+        model, data, params = make_assets(root / "assets", a.hidden, a.layers, a.heads, 256)
         con.print(f"model {a.size}: {params / 1e6:.1f}M parameters; CPUs {a.cpus}; load {env['loadavg_start']}")
         order = B.alternating(a.side_list, a.repeats)
         with B.progress(con) as prog:
@@ -296,9 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    f"(load {before[0]:.1f})")
                 prog.advance(task)
     report = build_report(a, runs, B.finish(env))
-    show(con, report)
-    B.write_report(a.json, report)
-    return 0
+    return B.publish(con, report, a.json, show)
 
 
 if __name__ == "__main__":

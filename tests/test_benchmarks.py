@@ -299,3 +299,24 @@ def test_dataflow_overhead_runs_small_and_writes_its_report(tmp_path):
     ppo = {r["name"]: r for r in rep["rows"]}
     assert ppo["ppo_ours"]["work"] == ppo["ppo_hand"]["work"] == {"steps": 2, "versions": 2}
     assert "dataflow_overhead: ratio" in res.stdout
+
+
+# ---------------------------------------------------------------- test bed sizes (for bring-up at N > 2)
+def test_testbed_sizes_render_one_slurmd_per_node(tmp_path):
+    from hpc_verl.testbed.cluster import MAX_NODES, TestBed, TestBedError, node_names
+    assert node_names(3) == ("node1", "node2", "node3")
+    for bad in (0, MAX_NODES + 1, True, "2"):
+        with pytest.raises(TestBedError, match=f"1..{MAX_NODES}"):
+            node_names(bad)
+    bed = TestBed(tmp_path / "bed", 3)
+    (tmp_path / "bed" / "fakegpu").mkdir(parents=True)
+    bed._write_configs(7001, 7002, [7101, 7102, 7103])
+    conf = (tmp_path / "bed" / "slurm.conf").read_text()
+    assert [ln.split()[0] for ln in conf.splitlines() if ln.startswith("NodeName=")] == \
+        ["NodeName=node1", "NodeName=node2", "NodeName=node3"]
+    assert "PartitionName=debug Nodes=node1,node2,node3 " in conf and "Port=7103" in conf
+    assert (tmp_path / "bed" / "gres.conf").read_text().count("Name=gpu") == 3
+    # a bed recorded with another size is not "up" for this size (up() would restart it)
+    (tmp_path / "bed" / "testbed.json").write_text(json.dumps({"nodes": ["node1", "node2"]}))
+    assert TestBed(tmp_path / "bed").nodes == ("node1", "node2")
+    assert TestBed(tmp_path / "bed", 3).is_up() is False
