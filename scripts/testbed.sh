@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The local SLURM test bed (munge, slurmctld, two slurmd with fake GPUs) for people:
-#   bash scripts/testbed.sh up|down|status|env|image
+#   bash scripts/testbed.sh up|down|status|env|image   (up --nodes N: 1..4 slurmd)
 # Directory: $HPC_VERL_TESTBED_DIR or /tmp/hpc_verl-testbed-$UID. After 'up':
 #   export SLURM_CONF=<dir>/slurm.conf    (printed by 'up' and 'env')
 # The tests start their own test bed (tests/slurm_bed.py) unless HPC_VERL_TESTBED_DIR

@@ -1,4 +1,4 @@
-"""``python -m hpc_verl.testbed up|down|status|env [--dir DIR]`` (used by scripts/testbed.sh)."""
+"""``python -m hpc_verl.testbed up|down|status|env [--dir DIR] [--nodes N]`` (used by scripts/testbed.sh)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,7 @@ import sys
 import tempfile
 
 from hpc_verl.errors import HpcVerlError
-from hpc_verl.testbed.cluster import TestBed
+from hpc_verl.testbed.cluster import MAX_NODES, TestBed
 
 
 def default_dir() -> str:
@@ -21,12 +21,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_verl.testbed")
     parser.add_argument("action", choices=("up", "down", "status", "env", "image"))
     parser.add_argument("--dir", default=None, help="test bed directory (default: %(default)s)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help=f"(up) SLURM nodes, 1..{MAX_NODES} (default: the bed's current size, else 2)")
     args = parser.parse_args(argv)
-    bed = TestBed(args.dir or default_dir())
     try:
+        bed = TestBed(args.dir or default_dir(), args.nodes)
         if args.action == "up":
             bed.up()
-            print(f"test bed up in {bed.dir}; use: export SLURM_CONF={bed.conf}")
+            print(f"test bed up in {bed.dir} ({len(bed.nodes)} nodes); use: export SLURM_CONF={bed.conf}")
         elif args.action == "down":
             bed.down()
             print(f"test bed in {bed.dir} is down")

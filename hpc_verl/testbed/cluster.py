@@ -1,4 +1,4 @@
-"""Bring a two-node SLURM test bed up and down in a directory of its own.
+"""Bring a SLURM test bed of two (up to ``MAX_NODES``) nodes up and down in a directory of its own.
 
 Layout of the test bed directory (``$HPC_VERL_TESTBED_DIR`` or a temp dir):
 ``slurm.conf``, ``gres.conf``, ``munge/`` (own key, socket, pid), ``state/``,
@@ -23,9 +23,17 @@ from pathlib import Path
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.util.fs import atomic_write_json, atomic_write_text
 
-NODES = ("node1", "node2")
+NODES = ("node1", "node2")  # the default test bed
+MAX_NODES = 4  # one slurmd each, all on this host: more only adds daemons that compete for its CPUs
 GPUS_PER_NODE = 4
 CPUS_PER_NODE = 2
+
+
+def node_names(n: int) -> tuple[str, ...]:
+    """``node1`` .. ``nodeN``; one clear line for a count the test bed does not offer."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_NODES:
+        raise TestBedError(f"test bed: {n!r} nodes asked for; it runs 1..{MAX_NODES} slurmd on this host")
+    return tuple(f"node{i}" for i in range(1, n + 1))
 
 
 class TestBedError(HpcVerlError):
@@ -71,14 +79,21 @@ def _pid_alive(pid: int | None) -> bool:
 
 
 class TestBed:
-    """A SLURM cluster of two slurmd on this host, owning one directory."""
+    """A SLURM cluster of ``n_nodes`` slurmd on this host (default two), owning one directory.
+
+    ``n_nodes=None`` takes the count of a test bed already set up in ``directory``
+    (from its testbed.json), else two; ``up()`` on a running bed of another size
+    restarts it with the asked size."""
 
     __test__ = False
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], n_nodes: int | None = None) -> None:
         self.dir = Path(directory).resolve()
         self.conf = self.dir / "slurm.conf"
         self.info_file = self.dir / "testbed.json"
+        recorded = self.info().get("nodes")
+        self.running_nodes = tuple(recorded) if recorded else NODES
+        self.nodes = node_names(n_nodes) if n_nodes is not None else self.running_nodes
 
     # ---- state -----------------------------------------------------------
     def info(self) -> dict:
@@ -93,7 +108,7 @@ class TestBed:
 
     def daemon_pids(self) -> dict[str, int | None]:
         pids: dict[str, int | None] = {}
-        for name in ("munged", "slurmctld", *[f"slurmd-{n}" for n in NODES]):
+        for name in ("munged", "slurmctld", *[f"slurmd-{n}" for n in self.running_nodes]):
             path = self.dir / "run" / f"{name}.pid"
             try:
                 pids[name] = int(path.read_text().split()[0])
@@ -102,7 +117,9 @@ class TestBed:
         return pids
 
     def is_up(self) -> bool:
-        """All daemons alive and both nodes usable by the scheduler."""
+        """All daemons alive and every node (of the asked size) usable by the scheduler."""
+        if self.running_nodes != self.nodes:
+            return False
         if not self.conf.exists() or not all(_pid_alive(p) for p in self.daemon_pids().values()):
             return False
         return self._nodes_ready()
@@ -123,40 +140,43 @@ class TestBed:
         if proc.returncode != 0:
             return False
         states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
-        return all(states.get(n, "").rstrip("*") in ("idle", "mix", "alloc") for n in NODES)
+        return all(states.get(n, "").rstrip("*") in ("idle", "mix", "alloc") for n in self.nodes)
 
     # ---- up --------------------------------------------------------------
     def up(self, timeout_s: float = 60) -> "TestBed":
-        """Start munge, slurmctld and two slurmd; a no-op when already up."""
+        """Start munge, slurmctld and one slurmd per node; a no-op when already up."""
         if self.is_up():
             return self
         for tool in ("munged", "slurmctld", "slurmd", "sbatch"):
             if not shutil.which(tool) and not Path(f"/usr/sbin/{tool}").exists():
                 raise TestBedError(f"test bed: '{tool}' not found; install it with "
                                    "'bash scripts/setup.sh' (apt: slurm-wlm munge)")
-        self.down()  # half-started leftovers from an earlier run
+        self.down()  # half-started leftovers from an earlier run (or a bed of another size)
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
-        for sub in ("run", "state", "munge", "fakegpu", "logs", *[f"spool-{n}" for n in NODES]):
+        if self.running_nodes != self.nodes and (self.dir / "state").exists():
+            shutil.rmtree(self.dir / "state")  # slurmctld would restore the node table of the old size
+        for sub in ("run", "state", "munge", "fakegpu", "logs", *[f"spool-{n}" for n in self.nodes]):
             (self.dir / sub).mkdir(exist_ok=True)
         os.chmod(self.dir / "munge", 0o700)
-        ctld_port, slurmd_port, *node_ports = _free_ports(2 + len(NODES))
+        ctld_port, slurmd_port, *node_ports = _free_ports(2 + len(self.nodes))
         self._write_configs(ctld_port, slurmd_port, node_ports)
         atomic_write_json(self.info_file, {"dir": str(self.dir), "slurmctld_port": ctld_port,
                                            "slurmd_port": slurmd_port,
-                                           "node_ports": dict(zip(NODES, node_ports)),
-                                           "nodes": list(NODES), "gpus_per_node": GPUS_PER_NODE})
+                                           "node_ports": dict(zip(self.nodes, node_ports)),
+                                           "nodes": list(self.nodes), "gpus_per_node": GPUS_PER_NODE})
+        self.running_nodes = self.nodes
         self._start_munge()
         sbin = "/usr/sbin"
         self._run(f"{sbin}/slurmctld", "-f", str(self.conf))
-        for node in NODES:
+        for node in self.nodes:
             self._run(f"{sbin}/slurmd", "-N", node, "-f", str(self.conf))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._nodes_ready():
                 return self
             # nodes come up "down"/"unknown" until slurmctld has heard from them
-            self._run("scontrol", "update", f"nodename={','.join(NODES)}", "state=resume",
+            self._run("scontrol", "update", f"nodename={','.join(self.nodes)}", "state=resume",
                       check=False, timeout=10)
             time.sleep(0.5)
         raise TestBedError(f"test bed: nodes not ready within {timeout_s:.0f}s; "
@@ -209,14 +229,14 @@ class TestBed:
             f"SlurmdPort={slurmd_port}",
             "GresTypes=gpu",
         ]
-        for node, port in zip(NODES, node_ports):
+        for node, port in zip(self.nodes, node_ports):
             lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
                          f"CPUs={CPUS_PER_NODE} RealMemory=8000 Gres=gpu:{GPUS_PER_NODE}")
-        lines.append(f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE "
+        lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE "
                      "State=UP OverSubscribe=YES")
         atomic_write_text(self.conf, "\n".join(lines) + "\n")
         gres = ["AutoDetect=off"]
-        for node in NODES:
+        for node in self.nodes:
             for i in range(GPUS_PER_NODE):
                 (d / "fakegpu" / f"{node}-gpu{i}").touch()
             gres.append(f"NodeName={node} Name=gpu File={d}/fakegpu/{node}-gpu[0-{GPUS_PER_NODE - 1}]")
@@ -235,7 +255,7 @@ class TestBed:
                         "squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.split():
                     time.sleep(0.5)
         pids = self.daemon_pids()
-        order = [f"slurmd-{n}" for n in NODES] + ["slurmctld", "munged"]
+        order = [f"slurmd-{n}" for n in self.running_nodes] + ["slurmctld", "munged"]
         for name in order:
             pid = pids.get(name)
             if _pid_alive(pid):

@@ -1,0 +1,236 @@
+"""What every benchmark here shares: the JSON report, the equal-work rule, run order, CPU pinning, output.
+
+The report has one fixed shape for every benchmark (``REPORT_KEYS``): a top-level
+``ratio`` (ours over the strongest baseline in the run, or null when the run
+refused to give one, with the reason in ``refused``), what the ratio means, the
+per-row figures, the settings, and the machine (date, command, load average at
+the start and end and next to every figure, versions). Figures quoted in the docs
+come from such files.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from hpc_verl.errors import HpcVerlError  # noqa: E402
+from hpc_verl.util.fs import atomic_write_text  # noqa: E402
+
+REPORT_KEYS = ("benchmark", "ratio", "ratio_definition", "baseline", "equal_work", "refused", "rows",
+               "settings", "environment", "notes")
+ROW_KINDS = ("ours", "baseline", "reference", "lower_bound", "extra")
+
+
+class BenchError(HpcVerlError):
+    """A benchmark could not run as asked (one line: what, where, how to fix)."""
+
+
+# ---------------------------------------------------------------- statistics and order
+def summary(values: Sequence[float]) -> dict[str, float | int]:
+    """Median and spread (min, max) of repeated measurements."""
+    if not values:
+        raise BenchError("no measurements to summarise")
+    vals = [float(v) for v in values]
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def alternating(sides: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, side) in run order: the side order flips every repeat, so drift and load hit all alike."""
+    out = []
+    for r in range(repeats):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        out.extend((r, s) for s in order)
+    return out
+
+
+def equal_work(counts: Mapping[str, Sequence[Mapping[str, int]]]) -> str | None:
+    """None when every side did the same work in every round; otherwise why not (one line).
+
+    ``counts``: side -> the per-round count dicts (forward rows, backward rows,
+    optimizer steps, generated tokens, ...) of all its timed rounds.
+    """
+    ref_side, ref = None, None
+    for side, rounds in counts.items():
+        if not rounds:
+            return f"{side}: no counted rounds"
+        for i, c in enumerate(rounds):
+            if ref is None:
+                ref_side, ref = side, dict(c)
+                continue
+            if dict(c) != ref:
+                diff = ", ".join(f"{k} {ref.get(k)} vs {c.get(k)}" for k in sorted(set(ref) | set(c))
+                                 if ref.get(k) != c.get(k))
+                return f"work differs: {ref_side} round 1 vs {side} round {i + 1}: {diff}"
+    return None
+
+
+# ---------------------------------------------------------------- machine and report
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def versions(names: Iterable[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def environment(packages: Iterable[str] = ("torch", "ray")) -> dict[str, Any]:
+    """The machine at the start of a run (``finish`` adds the end)."""
+    return {"date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "host": platform.node(), "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(), "versions": versions(packages),
+            "loadavg_start": loadavg(), "loadavg_end": None}
+
+
+def finish(env: dict[str, Any]) -> dict[str, Any]:
+    env["loadavg_end"] = loadavg()
+    return env
+
+
+def make_report(benchmark: str, *, ratio: float | None, ratio_definition: str, baseline: str | None,
+                rows: list[dict], settings: Mapping[str, Any], env: dict[str, Any],
+                equal_work_ok: bool | None = None, refused: str | None = None,
+                notes: Sequence[str] = ()) -> dict[str, Any]:
+    """The report every benchmark writes (validated here, so a bad shape fails before anything is written)."""
+    report = {"benchmark": benchmark, "ratio": None if ratio is None else round(float(ratio), 4),
+              "ratio_definition": ratio_definition, "baseline": baseline, "equal_work": equal_work_ok,
+              "refused": refused, "rows": rows, "settings": dict(settings), "environment": env,
+              "notes": list(notes)}
+    validate_report(report)
+    return report
+
+
+def validate_report(report: Mapping[str, Any]) -> None:
+    """Raise BenchError unless ``report`` has the fixed shape."""
+    if tuple(report) != REPORT_KEYS:
+        raise BenchError(f"report keys {list(report)} are not {list(REPORT_KEYS)}")
+    ratio = report["ratio"]
+    if ratio is not None and (not isinstance(ratio, (int, float)) or ratio <= 0):
+        raise BenchError(f"report ratio {ratio!r} must be a positive number or null")
+    if ratio is None and not report["refused"]:
+        raise BenchError("a report without a ratio must say why (refused)")
+    if ratio is not None and report["refused"]:
+        raise BenchError("a report that refused a ratio must not carry one")
+    if ratio is not None and report["equal_work"] is False:
+        raise BenchError("no ratio may be given when the work differs")
+    if not isinstance(report["rows"], list) or not report["rows"]:
+        raise BenchError("a report needs at least one row")
+    for row in report["rows"]:
+        if not isinstance(row, dict) or not row.get("name") or row.get("kind") not in ROW_KINDS:
+            raise BenchError(f"row {row!r}: needs a name and a kind in {ROW_KINDS}")
+    for key in ("date_utc", "command", "loadavg_start"):
+        if key not in report["environment"]:
+            raise BenchError(f"report environment lacks {key}")
+
+
+def write_report(path: str | os.PathLike[str] | None, report: Mapping[str, Any]) -> None:
+    """Write the report atomically (nothing half-written on failure)."""
+    if path:
+        validate_report(report)
+        atomic_write_text(path, json.dumps(report, indent=2) + "\n")  # in REPORT_KEYS order
+
+
+# ---------------------------------------------------------------- CPUs
+def cpu_set(n: int | None) -> list[int]:
+    """The first ``n`` CPUs this process may use (all when None)."""
+    usable = sorted(os.sched_getaffinity(0))
+    if n is None:
+        return usable
+    if n < 1 or n > len(usable):
+        raise BenchError(f"--cores {n}: this process may use {len(usable)} CPU(s) ({usable}); "
+                         f"give 1..{len(usable)}")
+    return usable[:n]
+
+
+def pin_to(cpus: Sequence[int]) -> Callable[[], None]:
+    """A ``preexec_fn`` that pins a child (and everything it starts) to ``cpus``."""
+    chosen = set(cpus)
+
+    def _pin() -> None:
+        os.sched_setaffinity(0, chosen)
+    return _pin
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """Thread-count variables so every library in a child uses ``threads`` threads."""
+    t = str(threads)
+    return {"OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t, "OPENBLAS_NUM_THREADS": t, "TOKENIZERS_PARALLELISM": "false",
+            "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+# ---------------------------------------------------------------- output
+def console() -> Any:
+    from rich.console import Console
+    return Console() if sys.stdout.isatty() else Console(width=150)  # logs and pipes: no wrapped tables
+
+
+def progress(con: Any) -> Any:
+    """A rich progress display (transient: it leaves only the printed lines behind)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=con, transient=True)
+
+
+def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> Any:
+    from rich.table import Table
+    t = Table(title=title)
+    for i, col in enumerate(columns):
+        t.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        t.add_row(*[fmt(v) for v in row])
+    return t
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def publish(con: Any, report: Mapping[str, Any], path: str | None, show: Callable[[Any, Any], None]) -> int:
+    """Print the report (the benchmark's own tables) and write it with ``--json``; the exit status."""
+    show(con, report)
+    write_report(path, report)
+    return 0
+
+
+def ratio_line(report: Mapping[str, Any]) -> str:
+    """The one line every benchmark ends with."""
+    if report["ratio"] is None:
+        return f"{report['benchmark']}: no ratio: {report['refused']}"
+    return f"{report['benchmark']}: ratio {report['ratio']:.3f} ({report['ratio_definition']})"
+
+
+def add_common_args(parser: Any, repeats: int = 3) -> None:
+    parser.add_argument("--json", metavar="FILE", help="write the report (fixed shape, top-level 'ratio') here")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help="fresh measurements per side, order alternated (default: %(default)s; >= 3 for "
+                             "figures worth quoting)")
+
+
+def parse(parser: Any, argv: Sequence[str] | None) -> tuple[Any, Any]:
+    """(parser, args) with the shared checks done; ``args.notes`` holds the notes for the report."""
+    a = parser.parse_args(argv)
+    if a.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {a.repeats}")
+    a.notes = [] if a.repeats >= 3 else [f"only {a.repeats} repeat(s): a check of the script, not a figure to quote"]
+    return parser, a

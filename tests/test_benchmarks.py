@@ -1,0 +1,322 @@
+"""The benchmarks' own logic: arguments, the report's fixed shape, the equal-work refusal, the counting hooks.
+
+No test here asserts a time. The benchmarks themselves are run by people (README,
+docs); these tests keep what decides whether a ratio may be printed honest.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import benchlib as B  # noqa: E402
+from benchmarks import bringup, dataflow_overhead, ppo_throughput, startup  # noqa: E402
+from benchmarks.counting import (COUNT_KEYS, PassCounter, generated_tokens, ours_counts_from_config,  # noqa: E402
+                                 ours_round_counts)
+
+
+# ---------------------------------------------------------------- arguments
+@pytest.mark.parametrize("mod, argv, message", [
+    (ppo_throughput, ["--group", "1"], "--group must be >= 2"),
+    (ppo_throughput, ["--prompts", "6", "--updates-per-round", "4"], "must be a multiple of --updates-per-round"),
+    (ppo_throughput, ["--warmup", "0"], "--warmup must be >= 1"),
+    (ppo_throughput, ["--size", "huge"], "invalid choice: 'huge'"),
+    (ppo_throughput, ["--cores", "999"], "--cores 999"),
+    (ppo_throughput, ["--repeats", "0"], "--repeats must be >= 1"),
+    (dataflow_overhead, ["--parallelism", "1,x"], "expected numbers like 1,2,4"),
+    (dataflow_overhead, ["--parallelism", "0"], "every value must be >= 1"),
+    (dataflow_overhead, ["--micro-batch", "64", "--window", "32"], "larger than --window"),
+    (bringup, ["--nodes", "2,9"], "each count must be within 2..4"),
+    (bringup, ["--sides", "ours,sleep"], "give ours and poll"),
+    (bringup, ["--testbed-dir", "/x", "--nodes", "2,4"], "a single --nodes count"),
+    (startup, ["--sides", "submit,train"], "give trl and at least one of submit, train"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(mod, argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        mod.parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_sizes_and_overrides():
+    a = ppo_throughput.parse_args(["--size", "tiny", "--hidden", "96", "--heads", "4"])
+    assert (a.hidden, a.layers, a.heads) == (96, 2, 4)
+    d = ppo_throughput.parse_args([])
+    assert (d.hidden, d.layers) == (512, 8) and d.repeats == 3 and d.cpus
+    assert "only 1 repeat" in ppo_throughput.parse_args(["--repeats", "1"]).notes[0]
+
+
+def test_alternating_order_flips_every_repeat():
+    assert B.alternating(["a", "b", "c"], 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                                                 (2, "a"), (2, "b"), (2, "c")]
+
+
+# ---------------------------------------------------------------- the report
+def _report(**kw):
+    base = dict(ratio=1.5, ratio_definition="x over y", baseline="y", rows=[{"name": "ours", "kind": "ours"}],
+                settings={}, env=B.environment(), equal_work_ok=True)
+    base.update(kw)
+    return B.make_report("demo", **base)
+
+
+def test_report_has_the_fixed_shape_and_writes_atomically(tmp_path):
+    rep = _report()
+    assert tuple(rep) == B.REPORT_KEYS and rep["ratio"] == 1.5
+    out = tmp_path / "r.json"
+    B.write_report(out, rep)
+    assert json.loads(out.read_text())["ratio"] == 1.5
+    bad = dict(rep, ratio=None)  # no ratio and no reason
+    with pytest.raises(B.BenchError, match="must say why"):
+        B.write_report(tmp_path / "bad.json", bad)
+    assert not (tmp_path / "bad.json").exists() and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(ratio=2.0, refused="work differs"), "must not carry one"),
+    (dict(ratio=2.0, equal_work_ok=False), "no ratio may be given"),
+    (dict(rows=[]), "at least one row"),
+    (dict(rows=[{"name": "x", "kind": "winner"}]), "needs a name and a kind"),
+    (dict(ratio=-1.0), "positive number"),
+])
+def test_report_rejects_what_would_mislead(kw, message):
+    with pytest.raises(B.BenchError, match=message):
+        _report(**kw)
+
+
+# ---------------------------------------------------------------- equal work
+def test_equal_work_names_the_first_difference():
+    same = {"fwd_rows": 256, "bwd_rows": 128, "optim_steps": 4, "gen_tokens": 4096}
+    assert B.equal_work({"ours": [same, same], "trl": [same]}) is None
+    fewer = dict(same, fwd_rows=128)
+    why = B.equal_work({"ours": [same], "trl": [same, fewer]})
+    assert why and "trl round 2" in why and "fwd_rows 256 vs 128" in why
+    assert "no counted rounds" in B.equal_work({"ours": [same], "trl": []})
+
+
+def _ppo_args(**kw):
+    a = ppo_throughput.parse_args(["--size", "tiny", "--prompts", "4", "--group", "4", "--response-length", "8",
+                                   "--updates-per-round", "2", "--rounds", "2", "--repeats", "1"])
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def _run(counts, round_s=(0.2, 0.2), **extra):
+    return dict({"round_s": list(round_s), "counts": [dict(counts) for _ in round_s], "median_round_s": round_s[0],
+                 "count_source": {k: "measured" for k in COUNT_KEYS}, "loadavg_before": [1.0, 1.0, 1.0],
+                 "versions": {"trl": "x"}}, **extra)
+
+
+def test_ppo_report_gives_a_ratio_only_at_equal_work():
+    a = _ppo_args()
+    s = ppo_throughput.settings(a)
+    ours = ours_counts_from_config(s)
+    shortcut = ours_counts_from_config(dict(s, old_log_prob_from_rollout=True))
+    runs = {"ours": [_run(ours, (0.1, 0.1))], "trl": [_run(ours, (0.2, 0.2))],
+            "ours-shortcut": [_run(shortcut, (0.05, 0.05))]}
+    rep = ppo_throughput.build_report(a, runs, B.environment(), 1000)
+    assert rep["equal_work"] is True and rep["ratio"] == pytest.approx(2.0)
+    extra = next(r for r in rep["rows"] if r["name"] == "ours-shortcut")
+    assert extra["kind"] == "extra" and extra["ratio_vs_baseline"] is None
+    assert "fwd_rows 32 vs 16" in extra["no_ratio_because"]
+    # TRL did one forward pass more per round than ours: no headline ratio at all
+    runs["trl"] = [_run(dict(ours, fwd_rows=ours["fwd_rows"] + 16))]
+    rep = ppo_throughput.build_report(a, runs, B.environment(), 1000)
+    assert rep["ratio"] is None and rep["equal_work"] is False and "fwd_rows" in rep["refused"]
+    # equal counts, but TRL recomputed forwards in backward: refused too
+    runs["trl"] = [_run(ours, gradient_checkpointing=True)]
+    rep = ppo_throughput.build_report(a, runs, B.environment(), 1000)
+    assert rep["ratio"] is None and "gradient checkpointing" in rep["refused"]
+
+
+def test_dataflow_report_refuses_when_work_differs():
+    a = dataflow_overhead.parse_args(["--repeats", "3"])
+    rows = [{"name": "p1_ours", "kind": "ours", "case": "pipeline", "parallelism": 1, "per_item_us": 12.0,
+             "work": {"items": 100}},
+            {"name": "p1_hand", "kind": "baseline", "case": "pipeline", "parallelism": 1, "per_item_us": 10.0,
+             "work": {"items": 100}},
+            {"name": "p1_cg", "kind": "lower_bound", "case": "pipeline", "parallelism": 1, "error": "X: no"}]
+    rep = dataflow_overhead.build_report(a, [dict(r) for r in rows], B.environment())
+    assert rep["ratio"] == pytest.approx(1.2) and any("did not run here" in n for n in rep["notes"])
+    rows[1]["work"] = {"items": 99}
+    rep = dataflow_overhead.build_report(a, [dict(r) for r in rows], B.environment())
+    assert rep["ratio"] is None and "items 100 vs 99" in rep["refused"]
+
+
+def test_ours_counts_prefer_the_trainers_measured_keys():
+    s = {"prompts": 4, "group": 4, "updates_per_round": 2, "response_length": 8, "old_log_prob_from_rollout": False}
+    assert ours_counts_from_config(s) == {"fwd_rows": 32, "bwd_rows": 16, "optim_steps": 2, "gen_tokens": 128}
+    counts, src = ours_round_counts({"n_response_tokens": 120}, s)
+    assert counts["gen_tokens"] == 120 and src["gen_tokens"] == "measured" and src["fwd_rows"] == "analytic"
+    counts, src = ours_round_counts({"perf/fwd_rows": 48, "perf/bwd_rows": 16, "perf/optim_steps": 2,
+                                     "perf/gen_tokens": 128}, s)
+    assert counts["fwd_rows"] == 48 and set(src.values()) == {"measured"}
+
+
+# ---------------------------------------------------------------- counting hooks
+def _tiny_llama():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                      eos_token_id=39, pad_token_id=0, bos_token_id=1)
+    return LlamaForCausalLM(cfg)
+
+
+def test_pass_counter_counts_rows_through_forward_backward_steps_and_generation():
+    import torch
+    model = _tiny_llama()
+    counter = PassCounter().attach(model).attach_optimizers()
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(2, 38, (3, 7))
+        with torch.no_grad():                       # an old-log-prob style forward: no backward
+            model(input_ids=ids)
+        model(input_ids=ids).logits.sum().backward()
+        opt.step()
+        assert counter.snapshot() == {"fwd_rows": 6, "bwd_rows": 3, "optim_steps": 1, "gen_tokens": 0}
+        out = model.generate(input_ids=ids[:2], max_new_tokens=5, min_new_tokens=5, do_sample=True,
+                             pad_token_id=0, eos_token_id=39)
+        assert out.shape == (2, 12)
+        snap = counter.snapshot()
+        assert snap["gen_tokens"] == 10 and snap["fwd_rows"] == 6  # generation's forwards are not full forwards
+        assert counter.layer_rows == 6
+    finally:
+        counter.detach()
+
+
+def test_pass_counter_sees_recomputation_under_gradient_checkpointing():
+    model = _tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    counter = PassCounter().attach(model)
+    import torch
+    model(input_ids=torch.randint(2, 38, (2, 6))).logits.sum().backward()
+    counter.detach()
+    assert counter.totals["fwd_rows"] == 2 and counter.layer_rows > counter.totals["fwd_rows"]
+
+
+def test_generated_tokens_stop_at_the_first_eos():
+    import torch
+    seqs = torch.tensor([[5, 5, 7, 9, 7, 7], [5, 5, 1, 2, 3, 4]])
+    assert generated_tokens(seqs, 2, [9]) == 2 + 4  # row 0: 7, 9 (EOS counted, then padding)
+    assert generated_tokens(seqs, 2, []) == 8
+
+
+def test_never_stop_puts_eos_outside_the_vocabulary(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks.rl_common import make_assets
+    model_dir, data, params = make_assets(tmp_path, 32, 1, 4, 16)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert tok.eos_token_id >= model.config.vocab_size == model.get_output_embeddings().weight.shape[0]
+    assert model.generation_config.eos_token_id == tok.eos_token_id and (data / "train.parquet").exists()
+    ids = tok(["12345"], return_tensors="pt").input_ids
+    out = model.generate(input_ids=ids, max_new_tokens=12, do_sample=True, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] - ids.shape[1] == 12  # no early stop is possible
+    assert params == sum(p.numel() for p in model.parameters())
+
+
+def test_trl_counts_equal_ours_analytic_counts_at_the_same_settings(tmp_path):
+    """TRL (hooks, measured) does per round what our config says ours does: the comparison is like for like."""
+    pytest.importorskip("trl")
+    from benchmarks.rl_common import make_assets, trl_worker
+    model_dir, data, _ = make_assets(tmp_path, 32, 1, 4, 64)
+    a = _ppo_args()
+    s = ppo_throughput.settings(a)
+    out = trl_worker({"settings": s, "steps": 2, "model": str(model_dir), "data": str(data),
+                      "work": str(tmp_path / "w")})
+    assert out["counts"] == [ours_counts_from_config(s)] * 2
+    assert out["gradient_checkpointing"] is False and out["recomputed_layer_rows"] == 0
+    assert len(out["round_s"]) == 1 and out["versions"]["trl"]
+
+
+# ---------------------------------------------------------------- bring-up pieces that need no SLURM
+@pytest.mark.parametrize("side", ["poll", "sleep"])
+def test_baseline_scripts_quote_hostile_paths_and_pass_shellcheck(side, tmp_path):
+    hostile = tmp_path / "a b$(touch pwned)'q"
+    text = bringup.baseline_script(side, 3, hostile, "/tmp/x;y")
+    script = tmp_path / "s.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    if shutil.which("shellcheck"):
+        res = subprocess.run(["shellcheck", "-S", "warning", str(script)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout
+    assert "#SBATCH --nodes=3" in text and not (tmp_path / "pwned").exists()
+
+
+def test_hold_notes_ready_and_waits_for_release(tmp_path):
+    t = threading.Thread(target=bringup.hold, args=(tmp_path, 20))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "declared").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert float((tmp_path / "declared").read_text()) > 0 and t.is_alive()
+    (tmp_path / "release").write_text("1")
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_bringup_report_never_uses_the_sleep_script_as_baseline():
+    a = bringup.parse_args(["--nodes", "2", "--repeats", "3"])
+    run = {"ready_s": 0.0, "declared_before_all_alive": False}
+    runs = {2: {"ours": [dict(run, ready_s=6.0)], "poll": [dict(run, ready_s=8.0)],
+                "sleep": [dict(run, ready_s=15.0, declared_before_all_alive=True)]}}
+    rep = bringup.build_report(a, runs, B.environment(), None, {"available": True, "ran": False, "why": "one host"})
+    ours = next(r for r in rep["rows"] if r["name"] == "ours_n2")
+    assert rep["ratio"] == pytest.approx(0.75) and ours["baseline"] == "poll"
+    assert ours["ratio_vs_sleep"] == pytest.approx(0.4)
+    assert next(r for r in rep["rows"] if r["name"] == "symmetric_n2")["why"] == "one host"
+    assert any("before every node had joined" in n for n in rep["notes"])
+
+
+# ---------------------------------------------------------------- one real, small dataflow run
+@pytest.mark.slow
+def test_dataflow_overhead_runs_small_and_writes_its_report(tmp_path):
+    out = tmp_path / "df.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dataflow_overhead.py"), "--items", "64",
+                          "--micro-batch", "8", "--window", "32", "--parallelism", "1", "--repeats", "1",
+                          "--ppo-steps", "2", "--weights-mb", "1", "--payload-rows", "4", "--payload-seq", "16",
+                          "--payload-resp", "8", "--num-cpus", "2", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:] + res.stdout[-2000:]
+    rep = json.loads(out.read_text())
+    assert tuple(rep) == B.REPORT_KEYS and rep["ratio"] > 0 and rep["equal_work"] is True
+    names = {r["name"] for r in rep["rows"]}
+    assert {"pipeline_p1_ours", "pipeline_p1_hand", "pipeline_p1_compiled", "ppo_ours", "ppo_hand"} <= names
+    ppo = {r["name"]: r for r in rep["rows"]}
+    assert ppo["ppo_ours"]["work"] == ppo["ppo_hand"]["work"] == {"steps": 2, "versions": 2}
+    assert "dataflow_overhead: ratio" in res.stdout
+
+
+# ---------------------------------------------------------------- test bed sizes (for bring-up at N > 2)
+def test_testbed_sizes_render_one_slurmd_per_node(tmp_path):
+    from hpc_verl.testbed.cluster import MAX_NODES, TestBed, TestBedError, node_names
+    assert node_names(3) == ("node1", "node2", "node3")
+    for bad in (0, MAX_NODES + 1, True, "2"):
+        with pytest.raises(TestBedError, match=f"1..{MAX_NODES}"):
+            node_names(bad)
+    bed = TestBed(tmp_path / "bed", 3)
+    (tmp_path / "bed" / "fakegpu").mkdir(parents=True)
+    bed._write_configs(7001, 7002, [7101, 7102, 7103])
+    conf = (tmp_path / "bed" / "slurm.conf").read_text()
+    assert [ln.split()[0] for ln in conf.splitlines() if ln.startswith("NodeName=")] == \
+        ["NodeName=node1", "NodeName=node2", "NodeName=node3"]
+    assert "PartitionName=debug Nodes=node1,node2,node3 " in conf and "Port=7103" in conf
+    assert (tmp_path / "bed" / "gres.conf").read_text().count("Name=gpu") == 3
+    # a bed recorded with another size is not "up" for this size (up() would restart it)
+    (tmp_path / "bed" / "testbed.json").write_text(json.dumps({"nodes": ["node1", "node2"]}))
+    assert TestBed(tmp_path / "bed").nodes == ("node1", "node2")
+    assert TestBed(tmp_path / "bed", 3).is_up() is False
