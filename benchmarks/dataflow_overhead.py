@@ -125,7 +125,7 @@ def hand_actors(p: int) -> list[list[Any]]:
     @ray.remote(num_cpus=0)
     class Stage:
         def run(self, batch: list) -> list:
-            from hpc_verl.dataflow.examples import identity
+            from hpc_verl.testbed.dataflow_examples import identity
             return [identity(x) for x in batch]   # one handler call per item, as in ours
     stages = [[Stage.remote() for _ in range(p)] for _ in range(3)]
     ray.get([s.run.remote([0]) for st in stages for s in st])
@@ -177,7 +177,7 @@ class Compiled:
         @ray.remote(num_cpus=0)
         class Stage:
             def run(self, batch: list) -> list:
-                from hpc_verl.dataflow.examples import identity
+                from hpc_verl.testbed.dataflow_examples import identity
                 return [identity(x) for x in batch]
         self.p, self.mb = p, mb
         self.actors = [[Stage.remote() for _ in range(3)] for _ in range(p)]
@@ -306,7 +306,7 @@ def pipeline_case(a: argparse.Namespace, p: int, prog: Any, task: Any) -> list[d
     import ray
 
     from hpc_verl.dataflow import HybridScheduler
-    from hpc_verl.dataflow.examples import three_stage_graph
+    from hpc_verl.testbed.dataflow_examples import three_stage_graph
 
     items = list(range(a.items))
     sides = ["ours", "hand"]

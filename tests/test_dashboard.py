@@ -5,8 +5,8 @@ import json
 
 from hpc_verl import HybridScheduler
 from hpc_verl.dataflow import ClusterNode
-from hpc_verl.dataflow.examples import ppo_example_graph
-from hpc_verl.dataflow.simcluster import free_port
+from hpc_verl.testbed.dataflow_examples import ppo_example_graph
+from hpc_verl.testbed.simcluster import free_port
 from hpc_verl.util.fs import atomic_write_json
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from hpc_verl import DataflowGraph, Edge, HybridScheduler, Node
 from hpc_verl.dataflow import ClusterNode, make_plan
-from hpc_verl.dataflow.examples import Stage, identity, ppo_example_graph
+from hpc_verl.testbed.dataflow_examples import Stage, identity, ppo_example_graph
 from hpc_verl.errors import DataflowError, HpcVerlError
 
 

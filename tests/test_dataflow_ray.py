@@ -13,7 +13,7 @@ import time
 import pytest
 
 from hpc_verl import DataflowGraph, Edge, HybridScheduler, Node
-from hpc_verl.dataflow.examples import RolloutSim, Stage, ppo_example_graph
+from hpc_verl.testbed.dataflow_examples import RolloutSim, Stage, ppo_example_graph
 from hpc_verl.errors import DataflowError
 
 ray = pytest.importorskip("ray")
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def cluster():
-    from hpc_verl.dataflow.simcluster import start_sim_cluster, stop_sim_cluster
+    from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
 
     c = start_sim_cluster([(2, 4), (2, 4)])
     try:
@@ -267,7 +267,7 @@ def test_strong_consistency_rejects_stale_versions_under_delays(cluster):
 
 
 def test_service_node_publishes_policy_through_call_all(cluster, tmp_path):
-    from hpc_verl.dataflow.examples import PolicyUpdater
+    from hpc_verl.testbed.dataflow_examples import PolicyUpdater
 
     graph = DataflowGraph("service")
     with graph:

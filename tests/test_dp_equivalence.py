@@ -101,7 +101,7 @@ def _run(model_path: str, world: int, strategy: str, batch: dict) -> tuple[dict,
 
 @pytest.fixture(scope="module")
 def cluster():
-    from hpc_verl.dataflow.simcluster import start_sim_cluster, stop_sim_cluster
+    from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
     c = start_sim_cluster([(3, 0)])
     try:
         yield c

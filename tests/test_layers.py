@@ -21,7 +21,8 @@ PKG = Path(__file__).resolve().parents[1] / "hpc_verl"
 LAYERS: list[tuple[str, ...]] = [
     ("hpc_verl._version", "hpc_verl.errors"),
     ("hpc_verl.util",),
-    ("hpc_verl.profiles", "hpc_verl.data", "hpc_verl.dataflow", "hpc_verl.testbed"),
+    ("hpc_verl.profiles", "hpc_verl.data", "hpc_verl.dataflow"),
+    ("hpc_verl.testbed",),
     ("hpc_verl.trainer",),
     ("hpc_verl.bootstrap",),
     ("hpc_verl.verl_upstream",),

@@ -131,7 +131,7 @@ def _assert_same(a, b, where: str) -> None:
 
 
 def test_two_ranks_on_two_simulated_nodes_one_rank_each(tiny_model, digits_data, tmp_path):
-    from hpc_verl.dataflow.simcluster import start_sim_cluster, stop_sim_cluster
+    from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
     from hpc_verl.trainer.config import load_config
     from hpc_verl.trainer.ppo import PPOTrainer
 
@@ -181,7 +181,7 @@ def test_a_killed_rank_ends_the_run_with_one_line_and_leaves_nothing(tiny_model,
 
 
 def test_live_resize_of_the_hybrid_group_between_steps(tiny_model, digits_data, tmp_path):
-    from hpc_verl.dataflow.simcluster import start_sim_cluster, stop_sim_cluster
+    from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
     from hpc_verl.errors import DataflowError
     from hpc_verl.trainer.config import load_config
     from hpc_verl.trainer.graph import DataflowRunner

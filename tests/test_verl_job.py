@@ -103,8 +103,15 @@ def test_builtin_trainer_gets_the_same_arithmetic(tmp_path):
     with pytest.raises(ConfigError) as e:
         validate_job_trainer(profile, job)
     assert "1000" in str(e.value) and "16" in str(e.value)
+    # the built-in trainer's own layout rules: the transformers rollout has no tensor parallelism,
+    # and a vLLM replica's TP must divide the rollout's GPUs of a node
     job = load_job_config(None, ["actor_rollout_ref.rollout.tensor_model_parallel_size=3"])
-    with pytest.raises(ConfigError, match="does not divide the 8 GPUs per node"):
+    with pytest.raises(ConfigError, match="tensor parallelism needs rollout.name=vllm"):
+        validate_job_trainer(profile, job)
+    job = load_job_config(None, ["actor_rollout_ref.rollout.tensor_model_parallel_size=3",
+                                 "actor_rollout_ref.rollout.name=vllm",
+                                 "hpc_verl.device_mapping={actor: [0,1,2,3], rollout: [4,5,6,7]}"])
+    with pytest.raises(ConfigError, match="does not divide the rollout's 4 GPUs per node"):
         validate_job_trainer(profile, job)
     job = load_job_config(None, ["trainer.n_gpus_per_node=4"])
     with pytest.raises(ConfigError, match="disagrees with profile 'ib-a100'"):

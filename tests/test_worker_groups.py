@@ -184,7 +184,7 @@ def _batch(n_groups: int = 3, per: int = 2) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster():
-    from hpc_verl.dataflow.simcluster import start_sim_cluster, stop_sim_cluster
+    from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
     c = start_sim_cluster([(2, 2), (2, 2)])
     try:
         yield c

@@ -205,12 +205,15 @@ def derived_overrides(profile: Profile, job: JobConfig) -> list[tuple[str, str]]
     if _is_verl(job):
         from hpc_verl.verl_upstream.expiry import derived_overrides as verl_expiry_overrides
         wanted += verl_expiry_overrides(profile.slurm.signal_lead_s)
+    else:
+        from hpc_verl.launch.spec.trainer_check import builtin_device_overrides
+        wanted += builtin_device_overrides(profile)
     given = {k.lstrip("+~") for k in job.trainer.overrides}
     return [(k, v) for k, v in wanted if k not in given]
 
 
 def _is_verl(job: JobConfig) -> bool:
-    from hpc_verl.launch.verl import trainer_kind
+    from hpc_verl.launch.spec.trainer_check import trainer_kind
     return trainer_kind(job) == "verl"
 
 

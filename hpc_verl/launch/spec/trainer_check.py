@@ -77,6 +77,11 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
     return _validate_builtin(profile, job, alloc)
 
 
+def builtin_device_overrides(profile: Any) -> list[tuple[str, str]]:
+    """The built-in trainer on CPU-only nodes: its ranks are CPU processes (n_gpus_per_node 0: one each)."""
+    return [("trainer.device", "cpu")] if profile.accelerator == "none" else []
+
+
 def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck:
     from hpc_verl.trainer.config import load_config
 
@@ -89,7 +94,9 @@ def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck
             if value.strip() != str(actual):
                 raise ConfigError(f"job config {_source(job)}: override '{item}' disagrees with {alloc.source}; "
                                   f"hpc-verl sets {key} from the allocation: drop the override")
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     derived = [f"trainer.nnodes={alloc.nnodes}", f"trainer.n_gpus_per_node={alloc.gpus_per_node}"]
+    derived += [f"{k}={v}" for k, v in builtin_device_overrides(profile) if k not in given]
     gpus = alloc.gpus_per_node
     if profile.accelerator in ("none", "fake"):  # CPU workers: no per-GPU split to check
         gpus = 0

@@ -1,5 +1,6 @@
 """A simulated multi-node Ray cluster in one process (``ray.cluster_utils.Cluster``)
-for tests and benchmarks: fake GPU counts, small CPU counts, no dashboard, and
+for tests and benchmarks (users may start one too, to try a graph on fake GPUs):
+fake GPU counts, small CPU counts, no dashboard, and
 every port picked free (never Ray's defaults, so other clusters on the host are
 never met)."""
 from __future__ import annotations

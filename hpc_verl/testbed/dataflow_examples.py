@@ -1,5 +1,6 @@
-"""Small node implementations and example graphs, shared by tests, the
-benchmark and docs. They live in the package so Ray workers can import them.
+"""Small node implementations and example graphs for the dataflow runtime's tests,
+its benchmark and docs (test helpers, outside the runtime package; they are in
+the installed package only so Ray workers can import them).
 
 The PPO graph is the design seed's example (actor_rollout -> reward_score ->
 critic_train, with the updated policy going back to the rollout over a strong
