@@ -52,44 +52,8 @@ def _batch(seq: int = 11, rlen: int = 4) -> dict:
             "weights": weights}
 
 
-def _loss(logp, ent, w) -> object:
-    return (logp * w).sum() + 0.1 * ent.sum()
-
-
-def _compare(kind: str, heads: int, kv: int, group, world_rank: int) -> dict:
-    import copy
-
-    from hpc_verl.trainer.lm import response_log_probs
-
-    ref = _model(kind, heads, kv)
-    sp = copy.deepcopy(ref)
-    ulysses.enable(sp, group)
-    b = _batch()
-    valid = b["attention_mask"].bool()
-
-    ref_logits = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                     position_ids=b["position_ids"], use_cache=False).logits
-    out, sb = ulysses.forward(sp, b["input_ids"], b["attention_mask"], b["position_ids"], group)
-    local_cols = out.logits.shape[1]
-    sp_logits = sb.gather(out.logits)
-    logits_diff = float((sp_logits - ref_logits).detach()[valid].abs().max())
-
-    logp, ent = response_log_probs(ref, b, temperature=0.7, with_entropy=True)
-    _loss(logp, ent, b["weights"]).backward()
-    sp_logp, sp_ent = ulysses.response_log_probs(sp, b, temperature=0.7, with_entropy=True, group=group)
-    _loss(sp_logp, sp_ent, b["weights"]).backward()
-    ulysses.sum_grads(sp, group)
-    ref_grads = dict(ref.named_parameters())
-    grad_diff = max(float((p.grad - ref_grads[n].grad).abs().max()) for n, p in sp.named_parameters())
-    grad_scale = max(float(p.grad.abs().max()) for p in ref.parameters())
-
-    ulysses.set_group(sp, None)              # back to unsplit: plain 2D mask, whole sequence
-    with torch.no_grad():
-        unsplit = sp(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                     position_ids=b["position_ids"], use_cache=False).logits
-    return {"logits": logits_diff, "logp": float((sp_logp - logp).detach().abs().max()), "grads": grad_diff,
-            "grad_scale": grad_scale, "unsplit": float((unsplit - ref_logits)[valid].abs().max()),
-            "local_cols": local_cols, "finite": bool(torch.isfinite(sp_logits).all())}
+def _compare(kind: str, kv: int, group) -> dict:
+    return ulysses.compare_with_unsplit(_model(kind, 4, kv), _batch(), group, temperature=0.7)
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -98,7 +62,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         group = dist.new_group([0, 1])
-        results = {f"{kind}": _compare(kind, 4, kv, group, rank) for kind, kv in (("llama", 2), ("qwen2", 1))}
+        results = {kind: _compare(kind, kv, group) for kind, kv in (("llama", 2), ("qwen2", 1))}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
     finally:

@@ -327,3 +327,45 @@ def sum_grads(model: Any, group: Any) -> None:
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+
+
+def compare_with_unsplit(ref: Any, batch: dict, group: Any, temperature: float = 1.0) -> dict[str, Any]:
+    """How far a copy of ``ref`` under Ulysses over ``group`` is from ``ref`` itself (the check of
+    the tests and of the GPU check): max differences of the logits at real tokens, of the response
+    log-probs, of the parameter gradients of one loss (summed over the SP ranks), and of the copy
+    switched back to unsplit. ``batch``: input_ids, attention_mask, position_ids, responses,
+    weights (per response token, the loss's)."""
+    import copy
+
+    import torch
+
+    from hpc_verl.trainer.lm import response_log_probs as unsplit_log_probs
+    sp = enable(copy.deepcopy(ref), group)
+    dev = next(ref.parameters()).device
+    b = {k: v.to(dev) for k, v in batch.items()}
+    valid = b["attention_mask"].bool()
+
+    def loss(logp: Any, ent: Any) -> Any:
+        return (logp * b["weights"]).sum() + 0.1 * ent.sum()
+
+    ref_logits = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"],
+                     use_cache=False).logits.detach()
+    out, sb = forward(sp, b["input_ids"], b["attention_mask"], b["position_ids"], group)
+    sp_logits = sb.gather(out.logits).detach()
+    ref.zero_grad(set_to_none=True)
+    logp, ent = unsplit_log_probs(ref, b, temperature, with_entropy=True)
+    loss(logp, ent).backward()
+    sp_logp, sp_ent = response_log_probs(sp, b, temperature, with_entropy=True, group=group)
+    loss(sp_logp, sp_ent).backward()
+    sum_grads(sp, group)
+    ref_grads = dict(ref.named_parameters())
+    grads = max(float((p.grad - ref_grads[n].grad).abs().max()) for n, p in sp.named_parameters())
+    set_group(sp, None)
+    with torch.no_grad():
+        unsplit = sp(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"],
+                     use_cache=False).logits
+    return {"logits": float((sp_logits - ref_logits)[valid].abs().max()),
+            "logp": float((sp_logp - logp).detach().abs().max()), "grads": grads,
+            "grad_scale": max(float(p.grad.abs().max()) for p in ref.parameters()),
+            "unsplit": float((unsplit - ref_logits)[valid].abs().max()),
+            "local_cols": int(out.logits.shape[1]), "finite": bool(torch.isfinite(sp_logits).all())}
