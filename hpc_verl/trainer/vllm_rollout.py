@@ -172,7 +172,8 @@ class VLLMRolloutWorker(RolloutWorker):
     """The transformers rollout's interface (``generate``, ``load_tensors``, ``version``), generation
     by a vLLM engine. ``engine_factory`` / ``params_factory`` exist for tests with a fake engine."""
 
-    def __init__(self, cfg: dict, engine_factory: Any = _default_engine, params_factory: Any = _sampling_params) -> None:
+    def __init__(self, cfg: dict, engine_factory: Any = _default_engine,
+                 params_factory: Any = _sampling_params) -> None:
         self.cfg = cfg
         mcfg, rcfg = cfg["actor_rollout_ref"]["model"], cfg["actor_rollout_ref"]["rollout"]
         self.engine_kwargs = engine_kwargs(cfg)
