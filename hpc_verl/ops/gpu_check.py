@@ -115,6 +115,18 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
 
 
+def _progress(text: str) -> Any:
+    """A rich spinner on a terminal (the checks take minutes); nothing in a log."""
+    import contextlib
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    try:
+        from rich.console import Console
+    except ImportError:
+        return contextlib.nullcontext()
+    return Console(stderr=True).status(text)
+
+
 def run_checks(checks: list[tuple[str, Callable[[], dict]]], report: Report, budget_s: float,
                say: Callable[[str], None] = print) -> int:
     """Run each check, record it, print one line; a failure does not stop the others. Returns failures."""
@@ -126,7 +138,8 @@ def run_checks(checks: list[tuple[str, Callable[[], dict]]], report: Report, bud
             continue
         t0 = time.monotonic()
         try:
-            figures = fn() or {}
+            with _progress(f"gpu_check: running {name} ..."):
+                figures = fn() or {}
             result = {"status": "passed", **figures}
         except Exception as exc:  # noqa: BLE001 - every failure is a result here
             result = {"status": "failed", "error": _one_line(exc),
