@@ -1,5 +1,5 @@
 """The rollout role: batched sampling with the transformers model and its KV cache
-(or vLLM behind the same calls, GPU only).
+(or vLLM behind the same calls, GPU only: ``vllm_rollout``).
 
 A replica generates for its shard of the batch. Its sampling generator is seeded
 from (trainer.seed, step, the shard's first row), so what a row gets sampled
@@ -157,60 +157,9 @@ def _sample_logits(logits: Any, temperature: float, top_k: int, top_p: float, ge
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
-class VLLMRolloutWorker(RolloutWorker):
-    """``rollout.name=vllm``: the same interface, generation by a vLLM engine on the replica's GPUs."""
-
-    def __init__(self, cfg: dict) -> None:  # pragma: no cover - needs GPUs and vLLM
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            raise HpcVerlError("actor_rollout_ref.rollout.name=vllm but vLLM is not installed here; install the "
-                               "'vllm' extra on GPU nodes or use actor_rollout_ref.rollout.name=hf") from None
-        torch = torch_mod()
-        if not torch.cuda.is_available():
-            raise HpcVerlError("actor_rollout_ref.rollout.name=vllm needs GPUs; none are visible to the rollout "
-                               "worker (use rollout.name=hf on CPU)")
-        from vllm import LLM
-        self.cfg = cfg
-        mcfg, rcfg = cfg["actor_rollout_ref"]["model"], cfg["actor_rollout_ref"]["rollout"]
-        self.tokenizer = load_tokenizer(mcfg["tokenizer_path"] or mcfg["path"], mcfg["trust_remote_code"])
-        self.llm = LLM(model=mcfg["path"], tensor_parallel_size=rcfg["tensor_model_parallel_size"],
-                       gpu_memory_utilization=rcfg["gpu_memory_utilization"], dtype=rcfg["dtype"],
-                       enforce_eager=rcfg["enforce_eager"], seed=int(cfg["trainer"]["seed"]),
-                       max_num_seqs=rcfg["max_num_seqs"], trust_remote_code=mcfg["trust_remote_code"])
-        self.version = 0
-        self.seed = int(cfg["trainer"]["seed"])
-        self.device = "cuda"
-        self.response_length = int(cfg["data"]["max_response_length"])
-
-    def load_tensors(self, named: Iterable[tuple[str, Any]], version: int) -> int:  # pragma: no cover
-        if version < self.version:
-            raise StalePolicyError(f"rollout has policy version {self.version}, refusing older version {version}")
-        engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        engine_model.load_weights(list(named))
-        self.version = int(version)
-        return self.version
-
-    def tensor_dtype(self) -> str:  # pragma: no cover
-        return str(self.cfg["actor_rollout_ref"]["rollout"]["dtype"])
-
-    def _sample(self, ids: Any, attn: Any, eos: int, pad: int, gen: Any, greedy: bool) -> Any:  # pragma: no cover
-        torch = torch_mod()
-        from vllm import SamplingParams
-        rcfg = self.cfg["actor_rollout_ref"]["rollout"]
-        params = SamplingParams(temperature=0.0 if greedy else rcfg["temperature"],
-                                top_k=rcfg["top_k"], top_p=rcfg["top_p"], max_tokens=self.response_length,
-                                ignore_eos=bool(rcfg["ignore_eos"]))
-        prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(ids, attn)]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        tokens = torch.full((len(prompts), self.response_length), pad, dtype=torch.long)
-        for i, o in enumerate(outs):
-            toks = list(o.outputs[0].token_ids)[: self.response_length]
-            tokens[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
-        return tokens, None
-
-
 def make_rollout_worker(cfg: dict) -> RolloutWorker:
+    """The configured rollout; ``rollout.name=vllm`` without vLLM or GPUs is one clear error."""
     if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":
+        from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
         return VLLMRolloutWorker(cfg)
     return RolloutWorker(cfg)
