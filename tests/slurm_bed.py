@@ -131,7 +131,7 @@ def leftovers(job_dir: str, job_id: int, wait_s: float = 30) -> list[str]:
 
     Polls up to ``wait_s``: SLURM finishes a job's steps shortly after it reports the state.
     """
-    from hpc_verl.bootstrap import procs
+    from hpc_verl.util import procs
 
     deadline = time.monotonic() + wait_s
     while True:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_verl.bootstrap import procs
+from hpc_verl.util import procs
 from hpc_verl.bootstrap.node import RAY_START_TRIES
 from hpc_verl.bootstrap.ports import busy_ports, ephemeral_range
 from slurm_bed import _listening_ports

@@ -4,6 +4,7 @@ plan       (batch script, once) expand the node list, make the token, write plan
            prints shell assignments (HPCV_RAY_HEAD, HPCV_RAY_WORKERS, HPCV_RAY_NNODES)
 node|head|worker  (under srun, one per node) start and supervise this node's Ray
 wait       (batch script) the readiness barrier; writes ray/env.sh (RAY_ADDRESS, token vars)
+watch      (batch script, while the trainer runs) exit 1 with the diagnosis as soon as a node fails
 stop       (any node) stop this node's supervisor and everything it started
 hostnames  expand a SLURM hostlist (pure Python fallback for scontrol)
 ports      print a job's port layout
@@ -19,7 +20,7 @@ import signal
 import sys
 import time
 
-from hpc_verl.errors import HpcVerlError
+from hpc_verl.errors import FAILURE_FILE_NAME, BootstrapError, HpcVerlError, record_failure
 from hpc_verl.profiles.schema import RaySection  # the defaults of the profile's ray section: one place
 
 
@@ -57,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--job-dir", required=True)
     w.add_argument("--srun-pids", default="", help="'PID:head PID:workers' background steps to watch")
     w.add_argument("--timeout-s", type=float, default=None)
+    wa = sub.add_parser("watch")
+    wa.add_argument("--job-dir", required=True)
+    wa.add_argument("--poll-s", type=float, default=0.25)
     s = sub.add_parser("stop")
     s.add_argument("--job-dir", required=True)
     s.add_argument("--node", default=None)
@@ -80,8 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except HpcVerlError as exc:
+        if getattr(args, "job_dir", None) and os.path.isdir(args.job_dir):
+            record_failure(f"{args.verb}: {exc}", os.path.join(args.job_dir, FAILURE_FILE_NAME))
         print(f"hpc_verl.bootstrap: error: {exc}", file=sys.stderr, flush=True)
-        return 1 if args.verb in ("wait", "node", "head", "worker") else 2
+        return 1 if args.verb in ("wait", "watch", "node", "head", "worker") else 2
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -115,6 +121,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             pass
         Barrier(args.job_dir, parse_pids(args.srun_pids), args.timeout_s).wait()
         return 0
+    if args.verb == "watch":
+        return _watch(args.job_dir, args.poll_s)
     if args.verb == "stop":
         return _stop(args.job_dir, args.node)
     if args.verb == "hostnames":
@@ -133,9 +141,31 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(args.verb)
 
 
+def _watch(job_dir: str, poll_s: float) -> int:
+    """While the trainer runs: return 1 with the failed node's diagnosis as soon as a node's
+    supervisor reports a failure; 0 when the job stops Ray (``ray/stop``) or on SIGTERM."""
+    from hpc_verl.bootstrap.raydir import node_states, ray_dir
+
+    stop = {"now": False}
+
+    def on_term(*_: object) -> None:
+        stop["now"] = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_term)
+    stop_file = ray_dir(job_dir) / "stop"
+    while not stop["now"] and not stop_file.exists():
+        for node, st in sorted(node_states(job_dir).items()):
+            if st.get("state") == "failed":
+                why = st.get("error") or f"node {node} failed without a diagnosis; see logs/node-{node}.log"
+                raise BootstrapError(f"Ray failed under the trainer: {why}")
+        time.sleep(poll_s)
+    return 0
+
+
 def _stop(job_dir: str, node: str | None) -> int:
     """Fallback teardown: TERM this node's supervisor (it stops its own tree), then KILL what is left."""
-    from hpc_verl.bootstrap import procs
+    from hpc_verl.util import procs
     from hpc_verl.bootstrap.node import this_node
     from hpc_verl.bootstrap.raydir import node_states
 

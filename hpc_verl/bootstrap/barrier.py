@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hpc_verl.bootstrap import procs
+from hpc_verl.util import procs
 from hpc_verl.bootstrap.netif import split_address, tcp_open
 from hpc_verl.bootstrap.node import NODE_RESOURCE_PREFIX, log_tail, node_temp_dir
 from hpc_verl.bootstrap.raydir import node_states, ray_dir, ray_env, read_json, read_plan

@@ -5,7 +5,8 @@ It picks the node's ports, starts ``ray start`` (head or worker) with the job's
 token, publishes ``head.json`` as soon as the head's GCS answers (workers wait
 for it, so they start in parallel right after the head), then stays in the
 foreground until SIGTERM/SIGINT (teardown) or until its raylet dies (failure:
-``nodes/<node>.json`` gets the error and a log tail, exit code 1).
+``nodes/<node>.json`` gets the error, the raylet's exit status and a log tail, exit code 1;
+the job's ``bootstrap watch`` sees it and ends the job within a second or two).
 
 Fault injection for tests (real processes, fake fault): ``HPC_VERL_FAULT_NODE=<node>``
 with ``HPC_VERL_FAULT=hang`` (the node never joins but its step stays alive) or
@@ -27,16 +28,25 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hpc_verl.bootstrap import procs
+from hpc_verl.util import procs
 from hpc_verl.bootstrap.netif import select_ip, tcp_open
 from hpc_verl.bootstrap.ports import block_shift, busy_ports, pick_node_ports
 from hpc_verl.bootstrap.raydir import ray_dir, ray_env, read_json, read_plan, write_node_state
-from hpc_verl.errors import BootstrapError
+from hpc_verl.errors import FAILURE_FILE_NAME, BootstrapError, record_failure
 from hpc_verl.util.fs import atomic_write_json
 
 NODE_RESOURCE_PREFIX = "hpcv_node_"
 #: ``ray start`` attempts when another process takes one of the probed ports before Ray binds it.
 RAY_START_TRIES = 3
+
+
+#: after Ray died under a running job: how long the node waits for the job to stop it (the job stops
+#: its trainer first, so Ray's remaining daemons do not shout into the trainer's log as they go)
+LOST_WAIT_S = 10.0
+
+
+class _RayLost(BootstrapError):
+    """This node's Ray died while the job ran (not during the start)."""
 
 
 class _PortTaken(Exception):
@@ -148,7 +158,12 @@ class NodeSupervisor:
             if not isinstance(exc, BootstrapError):
                 exc = BootstrapError(f"node {self.node}: {type(exc).__name__}: {exc}")
             self.state(state="failed", error=str(exc), log_tail=log_tail(self.temp_dir))
+            record_failure(str(exc), Path(self.job_dir) / FAILURE_FILE_NAME)
             print(f"hpc_verl.bootstrap[{self.node}]: error: {exc}", file=sys.stderr, flush=True)
+            if isinstance(exc, _RayLost):
+                deadline = time.monotonic() + LOST_WAIT_S
+                while not self._stop_requested() and time.monotonic() < deadline:
+                    time.sleep(0.1)
             return 1
         finally:
             self.stop()
@@ -160,6 +175,9 @@ class NodeSupervisor:
                       nodes_per_host=self.plan["nodes_per_host"])
         job_id = int(self.plan["job_id"])
         ports = pick_node_ports(job_id, head=self.is_head, **layout)
+        if block_shift(job_id, ports, **layout):
+            print(f"hpc_verl.bootstrap[{self.node}]: ports: the job's own block has ports in use on this node "
+                  f"(another job?); using the next free block, {ports.block_start}+", flush=True)
         self.state(state="starting", ip=ip, ports=ports.to_dict())
         if fault == "hang":
             print(f"hpc_verl.bootstrap[{self.node}]: fault injected: not starting Ray", flush=True)
@@ -188,12 +206,23 @@ class NodeSupervisor:
         self.state(state="running", raylet_pid=raylet, ray_pids=procs.descendants(os.getpid()))
         print(f"hpc_verl.bootstrap[{self.node}]: Ray {'head' if self.is_head else 'worker'} up at {ip} "
               f"(ports {ports.block_start}+, temp {self.temp_dir})", flush=True)
+        if raylet is None:
+            raise BootstrapError(f"node {self.node}: ray start returned but no raylet runs; see "
+                                 f"{self._kept_logs()}/raylet.out")
+        exited: dict[int, int] = {}
         while not self._stop_requested():
-            procs.reap()
-            if raylet is None or not procs.alive(raylet):
-                raise BootstrapError(f"node {self.node}: raylet exited; see {self.temp_dir}/session_latest/logs")
-            time.sleep(0.5)
+            exited.update(procs.reap())   # the raylet is our child once ray start has exited (subreaper)
+            if not procs.alive(raylet):
+                exited.update(procs.reap())
+                how = procs.describe_status(exited[raylet]) if raylet in exited else "exited"
+                raise _RayLost(f"node {self.node}: raylet (pid {raylet}) {how} while the job ran; Ray on "
+                                     f"this node is gone (its log: {self._kept_logs()}/raylet.out)")
+            time.sleep(0.25)
         return 0
+
+    def _kept_logs(self) -> Path:
+        """Where this node's Ray logs are kept once its temp dir is removed."""
+        return Path(self.job_dir) / "logs" / "ray" / self.node
 
     def _start_ray(self, ip: str, ports: Any, deadline: float, crash: bool = False) -> subprocess.Popen | None:
         """One ``ray start`` on ``ports``; returns once it succeeded (None: the job is stopping).
@@ -251,7 +280,7 @@ class NodeSupervisor:
 
     def _failed_start(self, child: subprocess.Popen, log_path: str, ports: Any, what: str) -> NoReturn:
         """Stop what this attempt left running; raise _PortTaken when others now hold its ports."""
-        procs.kill_tree(os.getpid(), grace_s=5.0)
+        procs.reap_tree(os.getpid(), grace_s=5.0)
         taken = [p for p in busy_ports(ports.all_ports(self.is_head))
                  if procs.listens_in_tree(os.getpid(), p) is not True]
         if taken:
@@ -279,40 +308,50 @@ class NodeSupervisor:
         self.stopping = True
 
     def stop(self) -> None:
-        """Stop every process this supervisor started (its descendants), nothing else."""
-        killed = procs.kill_tree(os.getpid(), grace_s=6.0)
+        """Stop every process this supervisor started (its descendants), nothing else.
+
+        In the order Ray's daemons let go of each other: the raylet first (its workers and agents
+        go with it), then the rest, the GCS last. Stopped the other way round each waits for the
+        one already gone (a raylet for its GCS, the autoscaler's monitor for the GCS) until the KILL."""
+        mine = {p: procs.comm(p) for p in procs.descendants(os.getpid())}
+        procs.stop_and_wait([p for p, name in mine.items() if name == "raylet"], 3.0)
+        procs.stop_and_wait([p for p in procs.descendants(os.getpid()) if procs.comm(p) != "gcs_server"], 3.0)
+        killed = procs.reap_tree(os.getpid(), wait_s=0.0, grace_s=6.0)
+        killed = sorted(set(killed) | set(mine))
         if self._squatter is not None:
             self._squatter.close()
         st = read_json(ray_dir(self.job_dir) / "nodes" / f"{self.node}.json") or {}
-        removed = self._remove_temp_dir()
+        removed = remove_node_temp_dir(self.job_dir, self.node, self.temp_dir)
         self.state(state="failed" if st.get("state") == "failed" else "stopped", stopped_pids=killed,
                    temp_dir_removed=removed)
 
-    def _remove_temp_dir(self) -> bool:
-        """Ray's per-node temp dir (sockets, session logs, spilled objects) goes with the job, so
-        node-local disks do not fill up run after run; its logs are kept in the run directory
-        first (the batch script's collect stage copies them while Ray runs; on an early exit,
-        nobody did). A failed copy keeps the temp dir: logs are never lost for tidiness."""
-        temp = Path(self.temp_dir)
-        if not temp.exists():
-            return True
-        dst = Path(self.job_dir) / "logs" / "ray" / self.node
-        try:
-            if not dst.exists():
-                src = temp / "session_latest" / "logs"
-                if src.is_dir():
-                    shutil.copytree(src, dst, symlinks=True)
-            start_log = temp / "ray-start.log"
-            if start_log.exists():
-                dst.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(start_log, dst / "ray-start.log")
-        except (OSError, shutil.Error) as exc:
-            print(f"hpc_verl.bootstrap[{self.node}]: keeping {temp}: its logs could not be saved ({exc})",
-                  file=sys.stderr, flush=True)
-            return False
-        shutil.rmtree(temp, ignore_errors=True)
-        try:
-            temp.parent.rmdir()  # <temp_dir_root>/<job id>, once its last node on this host is gone
-        except OSError:
-            pass
-        return not temp.exists()
+
+def remove_node_temp_dir(job_dir: str, node: str, temp_dir: str) -> bool:
+    """Ray's per-node temp dir (sockets, session logs, spilled objects) goes with the job, so
+    node-local disks do not fill up run after run; its logs are kept in the run directory
+    first (the batch script's collect stage copies them while Ray runs; on an early exit,
+    nobody did). A failed copy keeps the temp dir: logs are never lost for tidiness.
+    Also used by a local job's supervisor for a node whose supervisor was killed."""
+    temp = Path(temp_dir)
+    if not temp.exists():
+        return True
+    dst = Path(job_dir) / "logs" / "ray" / node
+    try:
+        if not dst.exists():
+            src = temp / "session_latest" / "logs"
+            if src.is_dir():
+                shutil.copytree(src, dst, symlinks=True)
+        start_log = temp / "ray-start.log"
+        if start_log.exists():
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(start_log, dst / "ray-start.log")
+    except (OSError, shutil.Error) as exc:
+        print(f"hpc_verl.bootstrap[{node}]: keeping {temp}: its logs could not be saved ({exc})",
+              file=sys.stderr, flush=True)
+        return False
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        temp.parent.rmdir()  # <temp_dir_root>/<job id>, once its last node on this host is gone
+    except OSError:
+        pass
+    return not temp.exists()

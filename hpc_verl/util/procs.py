@@ -1,10 +1,12 @@
-"""Process-tree helpers: stop exactly the processes a node supervisor started.
+"""Process-tree helpers: stop exactly the processes a supervisor started.
 
-The supervisor makes itself a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``),
-so the Ray daemons that ``ray start`` leaves behind are re-parented to it instead
-of to init. Teardown then walks ``/proc`` for its descendants: no pattern
-matching on command lines (Ray renames its processes with setproctitle, and other
-users' Ray clusters share the node).
+A supervisor (a job's, or a node's in the bootstrap) makes itself a *child subreaper*
+(``prctl(PR_SET_CHILD_SUBREAPER)``), so what its children leave behind (the Ray daemons
+``ray start`` daemonises, a step started with ``setsid``) is re-parented to it instead
+of to init. Teardown then walks ``/proc`` for its descendants and signals them and their
+process groups: no pattern matching on command lines (Ray renames its processes with
+setproctitle, and other users' Ray clusters share the node), no environment markers
+(Ray's agents do not inherit them).
 """
 from __future__ import annotations
 
@@ -104,37 +106,116 @@ def comm(pid: int) -> str:
     return st[0] if st else ""
 
 
-def reap() -> None:
-    """Collect exited children so they do not linger as zombies."""
+def reap() -> dict[int, int]:
+    """Collect exited children so they do not linger as zombies; returns {pid: wait status}."""
+    out: dict[int, int] = {}
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return out
         if pid == 0:
-            return
+            return out
+        out[pid] = status
 
 
-def kill_tree(root: int, grace_s: float = 8.0, include_root: bool = False) -> list[int]:
-    """SIGTERM every descendant of ``root``, SIGKILL what is left after ``grace_s``."""
-    pids = descendants(root) + ([root] if include_root else [])
+def describe_status(status: int) -> str:
+    """A wait status in words: ``exit status 1`` or ``killed by SIGKILL``."""
+    if os.WIFSIGNALED(status):
+        try:
+            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+        except ValueError:
+            return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exit status {os.waitstatus_to_exitcode(status)}"
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    """``sig`` to each pid and to each of their process groups (not our own group)."""
+    own = os.getpgrp()
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except OSError:
+            pass
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    for pgid in groups - {own}:
+        try:
+            os.killpg(pgid, sig)
+        except OSError:
+            pass
+
+
+def stop_and_wait(pids: list[int], timeout_s: float) -> None:
+    """SIGTERM ``pids`` and wait up to ``timeout_s`` for them to end (no KILL: a caller's next step)."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
+        except OSError:
             pass
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        reap()
+        time.sleep(0.05)
+
+
+def reap_tree(root: int, wait_s: float = 0.0, grace_s: float = 5.0) -> list[int]:
+    """End every descendant of ``root``: first let them exit on their own for up to ``wait_s``
+    (Ray stops a few seconds after its supervisor asked), then TERM them and their process
+    groups, then KILL what is left after ``grace_s``. Returns the pids that had to be signalled."""
+    deadline = time.monotonic() + wait_s
+    while descendants(root) and time.monotonic() < deadline:
+        reap()
+        time.sleep(0.1)
+    reap()
+    signalled = descendants(root)
+    if not signalled:
+        return []
+    _signal_all(signalled, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         reap()
-        left = [p for p in pids if alive(p)] + [p for p in descendants(root) if p not in pids]
-        if not left:
-            return pids
+        if not descendants(root):
+            return signalled
         time.sleep(0.1)
-    for pid in set(descendants(root) + [p for p in pids if alive(p)]):
+    for _ in range(3):   # a process may fork while it is being stopped
+        left = descendants(root)
+        if not left:
+            break
+        signalled += [p for p in left if p not in signalled]
+        _signal_all(left, signal.SIGKILL)
+        time.sleep(0.2)
+        reap()
+    return signalled
+
+
+def pids_using(path: str) -> list[int]:
+    """Live processes (not this one) that name ``path`` on their command line or hold a file
+    under it open (a private Ray's temp dir: its agents rename themselves with setproctitle but
+    keep their log files there). A unique path is safe to match, unlike a program name."""
+    root = os.path.realpath(path)
+    needle = root.encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid() or not alive(int(entry)):
+            continue
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    time.sleep(0.2)
-    reap()
-    return pids
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if needle in fh.read():
+                    out.append(int(entry))
+                    continue
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+            except OSError:
+                continue
+            if target == root or target.startswith(root + "/"):
+                out.append(int(entry))
+                break
+    return out
