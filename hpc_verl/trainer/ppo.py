@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 from hpc_verl.errors import ConfigError, HpcVerlError
-from hpc_verl.trainer.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, PreemptionFlag, latest_checkpoint,
-                                         load_checkpoint, save_checkpoint)
+from hpc_verl.trainer.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, PreemptionFlag, clean_leftovers,
+                                         latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint)
 from hpc_verl.trainer.topology import topology
 from hpc_verl.trainer.config import Section, to_yaml, validate_for_run
 from hpc_verl.trainer.metrics import MetricsLog, StepProgress, summary_table
@@ -66,7 +66,8 @@ class PPOTrainer:
             self.tokenizer.chat_template = mcfg.custom_chat_template
         d = cfg.data
         self.dataset = RLDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.prompt_key,
-                                 d.filter_overlong_prompts, d.truncation, d.train_max_samples)
+                                 d.filter_overlong_prompts, d.truncation, d.train_max_samples,
+                                 require_ground_truth=not cfg.reward_model.enable)
         self.sampler = ResumableSampler(len(self.dataset), d.train_batch_size, d.seed, d.shuffle)
         t = cfg.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
@@ -96,19 +97,25 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ resume / save
     def _resume_path(self) -> Path | None:
+        """The checkpoint to continue from, verified against its manifest. ``auto``: the newest
+        intact one (a damaged newer one is named in a warning and skipped); ``resume_path``: that
+        one or a one-line error. Partial directories of interrupted saves are removed first."""
         t = self.cfg.trainer
+        clean_leftovers(self.run_dir, warn=log.warning)
         if t.resume_mode == "disable":
             return None
         if t.resume_mode == "resume_path":
             p = Path(os.path.expanduser(t.resume_from_path))
             if not (p / "trainer_state.json").is_file():
                 raise ConfigError(f"trainer.resume_from_path={p} is not a checkpoint directory (global_step_N)")
+            verify_checkpoint(p)
             return p
-        return latest_checkpoint(self.run_dir)
+        return latest_checkpoint(self.run_dir, verify=True, warn=log.warning)
 
     def _restore(self, path: Path) -> None:
+        """Load a checkpoint ``_resume_path`` chose (and verified) into the driver and every rank."""
         import torch
-        state, parts = load_checkpoint(path)
+        state, parts = load_checkpoint(path, verify=False)
         self.step = int(state["step"])
         self.version = int(state["policy_version"])
         self.sampler.load_state_dict(state["data"])
@@ -219,8 +226,8 @@ class PPOTrainer:
         metrics_log = None
         tracking = None
         try:
+            resume = self._resume_path()   # before Ray starts: a damaged run fails in a second, not a minute
             self.runner.start(self.cfg.to_dict(), self.total_steps)
-            resume = self._resume_path()
             if resume is not None:
                 self._restore(resume)
             self.start_step = self.step
