@@ -123,6 +123,11 @@ def test_dataset_applies_chat_template_and_handles_overlong(tiny_model, digits_d
     tok.chat_template = None
     ds = RLDataset(str(digits_data / "train.parquet"), tok, max_prompt_length=16)
     assert tok.decode(ds.samples[0].prompt_ids) == ds.samples[0].raw_prompt[0]["content"]
+    # a rule-based reward needs every row's ground truth (else reward 0 every step, silently)
+    with pytest.raises(DataError, match=r"m.parquet: 2 of 2 rows have no reward_model.ground_truth \(no "
+                                        r"reward_model column\).*score every response of them 0"):
+        RLDataset(str(tmp_path / "m.parquet"), tok, max_prompt_length=16, require_ground_truth=True)
+    assert len(RLDataset(str(digits_data / "train.parquet"), tok, 16, require_ground_truth=True)) == 256
     pq.write_table(pa.Table.from_pylist([{"prompt": "x"}]), tmp_path / "noschema.parquet")
     with pytest.raises(DataError, match="missing column"):
         RLDataset(str(tmp_path / "noschema.parquet"), tok, 16)

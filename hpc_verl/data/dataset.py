@@ -3,7 +3,9 @@
 Prompts are chat messages; when the tokenizer has a chat template it is applied
 (with the generation prompt), otherwise the message contents are joined. Prompts
 longer than ``data.max_prompt_length`` are dropped (``filter_overlong_prompts``),
-truncated (``truncation=left|right``) or refused with one line (``error``).
+truncated (``truncation=left|right``) or refused with one line (``error``). With a
+rule-based reward every row needs ``reward_model.ground_truth``; rows without it are
+refused up front, since they would train on reward 0 without a word.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class RLDataset:
 
     def __init__(self, files: str | Sequence[str], tokenizer: Any, max_prompt_length: int,
                  prompt_key: str = "prompt", filter_overlong_prompts: bool = False,
-                 truncation: str = "error", max_samples: int = -1) -> None:
+                 truncation: str = "error", max_samples: int = -1, require_ground_truth: bool = False) -> None:
         import pyarrow.parquet as pq
 
         paths = [files] if isinstance(files, str) else list(files)
@@ -93,9 +95,24 @@ class RLDataset:
                 index=len(self.samples), prompt_ids=ids, data_source=str(r["data_source"]),
                 ground_truth=rm.get("ground_truth") if isinstance(rm, dict) else None,
                 extra_info=r.get("extra_info") or {}, raw_prompt=r[prompt_key]))
+        if require_ground_truth:
+            self._check_ground_truth(rows)
         if not self.samples:
             raise DataError(f"data files {', '.join(paths)}: no usable prompts "
                             f"({self.n_filtered} over data.max_prompt_length={max_prompt_length})")
+
+    def _check_ground_truth(self, rows: list[dict]) -> None:
+        """The rule-based reward compares each response with its row's ground truth: none means 0."""
+        missing = [r for r in rows if not isinstance(r.get("reward_model"), dict)
+                   or r["reward_model"].get("ground_truth") in (None, "")]
+        if not missing:
+            return
+        first = missing[0]
+        what = "empty" if isinstance(first.get("reward_model"), dict) else "no reward_model column"
+        raise DataError(f"data file {first['_file']}: {len(missing)} of {len(rows)} rows have no "
+                        f"reward_model.ground_truth ({what}); the rule-based reward would score every "
+                        "response of them 0. Preprocess the data to verl's schema (hpc-verl preprocess "
+                        "gsm8k|digits ...) or use a reward model (reward_model.enable=true)")
 
     def __len__(self) -> int:
         return len(self.samples)
