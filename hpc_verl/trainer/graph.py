@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from hpc_verl.errors import ConfigError
+from hpc_verl.errors import ConfigError, install_stop_signals
 from hpc_verl.trainer import nodes as N
 from hpc_verl.trainer.topology import Topology, topology
 
@@ -116,11 +117,18 @@ def _ray_cpus_needed(cfg: Mapping) -> int:
 
 
 class DataflowRunner:
-    """Runs the PPO graph under the HybridScheduler on Ray (joins or starts Ray)."""
+    """Runs the PPO graph under the HybridScheduler on Ray (joins or starts Ray).
+
+    A private Ray (no address given) lives in a temp dir of its own, not ``/tmp/ray``: at
+    shutdown its logs are copied to ``<run dir>/logs/ray``, every process that names that
+    dir (Ray's agents outlive ``ray.shutdown()`` by a minute or two) is stopped, and the dir
+    is removed."""
 
     def __init__(self) -> None:
         self.sched: Any = None
         self._started_ray = False
+        self._ray_temp: str | None = None
+        self._run_dir: Path | None = None
 
     def start(self, cfg: Mapping, total_steps: int) -> None:
         import ray
@@ -140,11 +148,21 @@ class DataflowRunner:
                 ray.init(address=address, namespace="hpc_verl", runtime_env={"env_vars": env},
                          log_to_driver=True)
             else:  # a private single-node Ray on random ports; never joins someone else's cluster
+                import tempfile
+
                 os.environ.update(env)
                 cpus = hv["ray_num_cpus"] or max(os.cpu_count() or 1, _ray_cpus_needed(cfg))
-                ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="hpc_verl",
-                         log_to_driver=True)
+                # short and unique: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
+                root = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+                _remove_stale_private_rays(root)
+                self._ray_temp = tempfile.mkdtemp(prefix=f"{PRIVATE_RAY_PREFIX}{os.getpid()}-", dir=root)
+                self._run_dir = run_dir
                 self._started_ray = True
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="hpc_verl",
+                         log_to_driver=True, _temp_dir=self._ray_temp)
+                log.info("private Ray in %s (removed at the end; its logs go to %s)", self._ray_temp,
+                         run_dir / "logs" / "ray")
+            install_stop_signals()   # ray.init put its own SIGTERM handler (sys.exit) in place of ours
         graph = build_ppo_graph(cfg, total_steps, name=f"ppo-{cfg['trainer']['experiment_name']}")
         self.sched = HybridScheduler(graph, status_file=str(run_dir / "dataflow_status.json"),
                                      bucket_bytes=int(hv["weight_sync_bucket_mb"] * 2**20),
@@ -179,8 +197,65 @@ class DataflowRunner:
             self.sched = None
             if self._started_ray:
                 import ray
-                ray.shutdown()
-                self._started_ray = False
+                try:
+                    ray.shutdown()
+                finally:
+                    self._started_ray = False
+                    self._remove_private_ray()
+
+    def _remove_private_ray(self) -> None:
+        """Keep the private Ray's logs, stop what of it is left, remove its temp dir."""
+        import shutil
+
+        from hpc_verl.util import procs
+
+        temp, self._ray_temp = self._ray_temp, None
+        if not temp:
+            return
+        logs = Path(temp) / "session_latest" / "logs"
+        if self._run_dir is not None and logs.is_dir():
+            try:
+                shutil.copytree(logs, self._run_dir / "logs" / "ray", symlinks=True, dirs_exist_ok=True)
+            except shutil.Error as exc:   # one (src, dst, why) per file that failed
+                why = exc.args[0][0][2] if exc.args and exc.args[0] else exc
+                log.warning("%d of Ray's log files could not be kept in %s (%s)", len(exc.args[0]),
+                            self._run_dir / "logs" / "ray", why)
+            except OSError as exc:
+                log.warning("Ray's logs could not be kept in %s (%s)", self._run_dir / "logs" / "ray",
+                            exc.strerror or exc)
+        left = procs.pids_using(temp)
+        for pid in left:
+            _kill(pid, 15)
+        deadline = time.monotonic() + 5
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = [p for p in left if procs.alive(p)]
+        for pid in left:
+            _kill(pid, 9)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+PRIVATE_RAY_PREFIX = "hpcv-train-"   # <tmp>/hpcv-train-<driver pid>-<random>/: a private Ray's temp dir
+
+
+def _remove_stale_private_rays(root: str) -> None:
+    """Temp dirs of private Rays whose trainer was killed (SIGKILL leaves them): its pid is gone and
+    no process holds a file in them."""
+    import shutil
+
+    from hpc_verl.util import procs
+
+    for d in Path(root).glob(f"{PRIVATE_RAY_PREFIX}*-*"):
+        pid = d.name[len(PRIVATE_RAY_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not procs.alive(int(pid)) and not procs.pids_using(str(d)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
 
 
 class InlineRunner:
