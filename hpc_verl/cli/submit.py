@@ -1,4 +1,5 @@
-"""``hpc-verl submit --profile NAME [--config JOB.yaml] [--set k=v] [key=value ...] [--dry-run] [--detach]``."""
+"""``hpc-verl submit --profile NAME [--config JOB.yaml] [--set k=v] [key=value ...] [--dry-run] [--detach]``,
+``hpc-verl submit --resume JOB``."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="write the job directory, do not submit")
     p.add_argument("--detach", action="store_true", help="local profile: run in the background (follow with "
                    "'hpc-verl logs JOB --follow', stop with 'hpc-verl cancel JOB'); default: foreground")
+    p.add_argument("--resume", default=None, metavar="JOB",
+                   help="run a stopped local job again in its own run directory: finished stages are skipped "
+                   "and training continues from its last checkpoint")
     p.set_defaults(func=run)
 
 
@@ -31,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
 
     request = backends.SubmitRequest(profile=args.profile, config=args.config, overrides=tuple(args.overrides),
                                      sets=tuple(args.sets), name=args.name, ray_address=args.ray_address,
-                                     ray_token_file=args.ray_token_file, cluster=args.cluster, detach=args.detach)
+                                     ray_token_file=args.ray_token_file, cluster=args.cluster, detach=args.detach,
+                                     resume=args.resume)
     backend = backends.for_request(request)
     dry = backend.dryrun(request)
     if args.dry_run:

@@ -59,11 +59,14 @@ class JobRecord:
     ray_address: str | None = None
     token_file: str | None = None
     role: str = ROLE_JOB  # or ROLE_CLUSTER
-    # scheduler "local" (hpc_verl.launch.backends.local): the script's pid, where it ran, how it ended
+    # scheduler "local" (hpc_verl.launch.backends.local): the script's pid, its supervisor's (the owner of
+    # the job's processes), where it ran, how it ended, and who stopped it
     pid: int | None = None
+    supervisor_pid: int | None = None
     submit_dir: str = ""
     exit_code: int | None = None
     cancelled: bool = False
+    stop_reason: str = ""
 
     def save(self) -> None:
         atomic_write_json(Path(self.job_dir) / "job.json", asdict(self))

@@ -49,7 +49,18 @@ def for_record(record: JobRecord) -> Backend:
 
 
 def for_request(request: SubmitRequest) -> Backend:
-    """The backend that runs ``request``: the first in ``BACKENDS`` that accepts it."""
+    """The backend that runs ``request``: the first in ``BACKENDS`` that accepts it (``--resume``:
+    the one that ran that job)."""
+    if request.resume:
+        from hpc_verl.launch import registry
+
+        backend = for_record(registry.find(request.resume))
+        if not backend.resumes:
+            raise SubmitError(f"job {request.resume} ran on {backend.scheduler}, which resumes its own jobs (a SLURM "
+                              "job requeues and continues in its run directory); to continue it elsewhere, "
+                              "submit a new job with trainer.resume_mode=resume_path and "
+                              "trainer.resume_from_path=<its global_step_N>")
+        return backend
     for scheduler in BACKENDS:
         backend = get(scheduler)
         if backend.accepts(request):

@@ -134,6 +134,7 @@ class SubmitRequest:
     cluster: Optional[str] = None  # a held cluster (`hpc-verl cluster up`) to submit into
     detach: bool = False           # local: run in the background
     hold: bool = False             # a cluster job that keeps Ray up instead of training
+    resume: Optional[str] = None   # a registered job to run again in its own run directory
 
 
 @dataclass
@@ -172,6 +173,8 @@ class Backend(ABC):
 
     scheduler: ClassVar[str]
     """The name in ``JobRecord.scheduler`` and in the registry (``backends.BACKENDS``)."""
+    resumes: ClassVar[bool] = False
+    """Whether ``submit --resume JOB`` can run a job of this backend again (``dryrun`` gets the request)."""
 
     # -------------------------------------------------------------- submission
     @abstractmethod

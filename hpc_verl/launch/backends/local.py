@@ -1,37 +1,42 @@
 """The local backend: ``hpc-verl submit --profile local`` runs the job's script on this machine.
 
 The script is the same one the launcher renders for SLURM (profile ``local``:
-scheduler local, no container, loopback Ray), run with ``bash`` in its own
-session. Foreground (default): its output streams to the terminal and to the
-job's log, and the submit returns its exit status. ``--detach``: a small
-supervisor (``python -m hpc_verl.launch.backends.local supervise JOB_DIR``) runs it in
-the background and records the exit status, so ``hpc-verl list/status/logs/cancel``
-work as for SLURM jobs. Every process of the job carries ``HPCV_LOCAL_JOB=<job
-dir>`` in its environment; ``cancel`` uses that to leave nothing behind.
+scheduler local, no container, loopback Ray), run by ``bash`` under the job's
+supervisor (``backends/supervisor.py``), the one owner of the job's processes.
+Foreground (default): the submit follows the job's log on the terminal and returns
+its exit status; SIGINT, SIGTERM or SIGHUP to it (Ctrl-C, a CI timeout, a closed ssh
+session) stop the job, which ends CANCELLED with nothing left. ``--detach``: the
+submit returns at once, and ``hpc-verl list/status/logs/cancel`` work as for SLURM jobs.
+
+A local job's id is fixed when it is submitted (rendered into its script), so its run
+directory ``<job dir>/<name>-<id>`` stays the same: running the script again, or
+``hpc-verl submit --resume JOB``, continues from its last checkpoint and skips the
+stages that finished. A job asked to stop with SIGUSR2 checkpoints and ends PREEMPTED.
 """
 from __future__ import annotations
 
 import os
+import random
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Sequence
+from typing import IO, Any, Optional, Sequence
 
-from hpc_verl.errors import ConfigError, SubmitError
+from hpc_verl.errors import ConfigError, Stopped, SubmitError, install_stop_signals
 from hpc_verl.launch import registry
+from hpc_verl.launch.backends import supervisor as sup
 from hpc_verl.launch.backends.base import DryRun, JobInfo, JobState, SubmitRequest
 from hpc_verl.launch.backends.script import ScriptBackend
-from hpc_verl.util.package import PACKAGE_DIR, with_package_on_pythonpath
+from hpc_verl.util import procs
+from hpc_verl.util.package import PACKAGE_DIR
 
-MARKER_ENV = "HPCV_LOCAL_JOB"
-SUPERVISOR = "hpc_verl.launch.backends.local"  # python -m SUPERVISOR supervise JOB_DIR
-LOG_NAME = "job.log"
+LOG_NAME = sup.LOG_NAME
 CANCEL_GRACE_S = 60.0
-# SLURM variables the script would take for its own (job id, submit dir, restart count, CPUs)
-_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_SUBMIT_DIR", "SLURM_RESTART_COUNT", "SLURM_CPUS_PER_TASK",
-               "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
+FOLLOW_POLL_S = 0.1
+#: ``HPC_VERL_LOCAL_JOB_ID=N`` pins the next local job's id (its run dir name, port block, Ray temp dir)
+JOB_ID_ENV = "HPC_VERL_LOCAL_JOB_ID"
+_ID_RANGE = (100_000, 9_999_999)
 
 
 def demo_job_dict() -> dict[str, Any]:
@@ -73,229 +78,213 @@ def check_inputs(job: Any, cwd: str) -> None:
                           "set data.raw in the job config")
 
 
-def job_env(rec: registry.JobRecord, cpus: int) -> dict[str, str]:
-    """The script's environment: ours, minus SLURM's job variables, plus the job marker."""
-    env = with_package_on_pythonpath({k: v for k, v in os.environ.items() if k not in _SLURM_VARS})
-    env[MARKER_ENV] = rec.job_dir
-    env.setdefault("HPCV_RAY_NUM_CPUS", str(cpus))
-    return env
+def new_job_id(temp_dir_root: str) -> int:
+    """A local job's id: unused in the registry and in Ray's temp dir root (``$HPC_VERL_LOCAL_JOB_ID`` pins it)."""
+    taken = {j.job_id for j in registry.all_jobs()}
+    pinned = os.environ.get(JOB_ID_ENV)
+    if pinned:
+        if not pinned.isdigit() or int(pinned) < 1:
+            raise ConfigError(f"{JOB_ID_ENV}={pinned!r}: expected a positive integer")
+        if int(pinned) in taken:
+            raise ConfigError(f"{JOB_ID_ENV}={pinned}: a job in the registry already has that id; unset it or "
+                              "pick another")
+        return int(pinned)
+    rng = random.SystemRandom()
+    while True:
+        job_id = rng.randint(*_ID_RANGE)
+        if job_id not in taken and not (Path(temp_dir_root) / str(job_id)).exists():
+            return job_id
 
 
-def _start(rec: registry.JobRecord, out: int | IO[bytes], *, new_session: bool) -> subprocess.Popen:
-    prof_cpus = int(_profile(rec).get("slurm", {}).get("cpus_per_task") or 0)
-    proc = subprocess.Popen(["bash", rec.script], cwd=rec.submit_dir or None, env=job_env(rec, prof_cpus),
-                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=new_session)
-    rec.pid = proc.pid
-    rec.job_id = proc.pid  # the script's $$: its HPCV_JOB_ID and run directory name
-    rec.run_dir = str(Path(rec.job_dir) / f"{rec.name}-{proc.pid}")
-    rec.log_dir = str(Path(rec.run_dir) / "logs")
-    rec.batch_log = str(Path(rec.job_dir) / LOG_NAME)
-    rec.dry_run = False
-    rec.save()
-    return proc
+# ---------------------------------------------------------------------------- running
+class _Terminal:
+    """Our stdout, until it goes away (a closed terminal or pipe): then the job's log is all there is."""
 
+    def __init__(self, out: IO[bytes]) -> None:
+        self.out: IO[bytes] | None = out
 
-def _profile(rec: registry.JobRecord) -> dict[str, Any]:
-    import json
-
-    try:
-        return json.loads((Path(rec.job_dir) / "profile.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def reap(job_dir: str, grace_s: float = 30.0) -> int:
-    """Wait for the job's last processes (Ray stops a few seconds after the script), then SIGKILL the rest.
-
-    Returns how many had to be killed."""
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and job_pids(job_dir):
-        time.sleep(0.2)
-    left = job_pids(job_dir)
-    for pid in left:
-        _signal(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and job_pids(job_dir):
-        time.sleep(0.1)
-    return len(left)
-
-
-def _finish(rec: registry.JobRecord, rc: int) -> None:
-    if rc < 0:  # killed by a signal: the shell's convention, 128 + signal number
-        rc = 128 - rc
-    killed = reap(rec.job_dir)
-    if killed:
-        print(f"hpc-verl: killed {killed} processes the job left behind", file=sys.stderr)
-    rec.exit_code = rc
-    rec.save()
-    if rc == 0:
+    def write(self, chunk: bytes) -> None:
+        if self.out is None:
+            return
         try:
-            make_plot(rec)
-        except Exception as exc:  # a plot is a nicety; the run's results are already there
-            print(f"hpc-verl: warning: no plot: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+            self.out.write(chunk)
+            self.out.flush()
+        except (OSError, ValueError):
+            self.out = None
 
 
-def trainer_dir(rec: registry.JobRecord) -> Path:
-    """Where the built-in trainer wrote metrics.jsonl and its checkpoints (trainer.default_local_dir)."""
-    return Path(rec.run_dir) / "checkpoints"
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
-def make_plot(rec: registry.JobRecord) -> Path | None:
-    d = trainer_dir(rec)
-    if not (d / "metrics.jsonl").exists():
-        return None
-    from hpc_verl.trainer.metrics import plot_run
-
-    return Path(plot_run(d))
+def _copy_new(log: Path, pos: int, out: _Terminal) -> int:
+    try:
+        with open(log, "rb") as fh:
+            fh.seek(pos)
+            chunk = fh.read()
+    except FileNotFoundError:
+        return pos
+    if chunk:
+        out.write(chunk)
+    return pos + len(chunk)
 
 
 def run_foreground(rec: registry.JobRecord) -> int:
-    """Run the script here, its output to our stdout and the job log; return its exit status."""
-    env_tty = sys.stdout.isatty()
-    if env_tty:
+    """Run the job under its supervisor and follow its log here; returns its exit status.
+
+    A stop signal (SIGINT, SIGTERM, SIGHUP) is passed on to the job once; the job's clean-up
+    runs to its end (a second signal does not skip it), then this returns."""
+    install_stop_signals()
+    extra: dict[str, str] = {}
+    if sys.stdout.isatty():
         import shutil
 
-        os.environ.setdefault("FORCE_COLOR", "1")  # rich keeps its live progress through our pipe
-        os.environ.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
-    with open(Path(rec.job_dir) / LOG_NAME, "ab") as log:
-        proc = _start(rec, subprocess.PIPE, new_session=True)
-        assert proc.stdout is not None
-        fd = proc.stdout.fileno()
-        out = sys.stdout.buffer
-        interrupted = False
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except KeyboardInterrupt:  # Ctrl-C: the script's trap stops Ray and the trainer
-                if not interrupted:
-                    print("\nhpc-verl: interrupted; stopping the job (Ctrl-C again does not skip the cleanup)",
-                          file=sys.stderr)
-                interrupted = True
-                _signal(proc.pid, signal.SIGTERM)
-                continue
-            if not chunk:
+        extra = {"FORCE_COLOR": os.environ.get("FORCE_COLOR", "1"),   # rich keeps its live progress in the log
+                 "COLUMNS": os.environ.get("COLUMNS", str(shutil.get_terminal_size().columns))}
+    log = Path(rec.job_dir) / LOG_NAME
+    pos = log.stat().st_size if log.exists() else 0
+    out = _Terminal(sys.stdout.buffer)
+    proc = sup.spawn(rec, extra)
+    stopping = False
+    while True:
+        try:
+            pos = _copy_new(log, pos, out)
+            if proc.poll() is not None:
+                _copy_new(log, pos, out)
                 break
-            log.write(chunk)
-            log.flush()
-            out.write(chunk)
-            out.flush()
-        rc = proc.wait()
-    if interrupted:
-        rec.cancelled = True
-    _finish(rec, rc)
-    return rc
-
-
-def supervise(job_dir: str) -> int:
-    """The detached job's parent: start the script, wait, record the exit status."""
-    rec = registry.load(job_dir)
-    # a handler (not SIG_IGN, which the script would inherit): cancel signals the script itself
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: None)
-    with open(Path(job_dir) / LOG_NAME, "ab") as log:
-        proc = _start(rec, log, new_session=False)  # we are the session leader already
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except InterruptedError:  # pragma: no cover (PEP 475 retries)
+            time.sleep(FOLLOW_POLL_S)
+        except (KeyboardInterrupt, Stopped) as exc:
+            signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+            if stopping:
                 continue
-    rec = registry.load(job_dir)  # cancel may have marked it
-    _finish(rec, rc)
-    return rc
+            stopping = True
+            signal.signal(signal.SIGINT, lambda *_: None)   # the clean-up runs to its end
+            name = signal.Signals(signum).name
+            _say(f"\nhpc-verl: got {name}: stopping local job {rec.job_id}; its clean-up stops the trainer and "
+                 "Ray (a second signal does not skip it)")
+            with sup.updating(rec.job_dir) as cur:
+                cur.cancelled = True
+                cur.stop_reason = f"{name} to hpc-verl submit"
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+    _settle(rec.job_dir, signal.SIGTERM)
+    final = registry.load(rec.job_dir)
+    rec.__dict__.update(final.__dict__)
+    return int(final.exit_code or 0)
 
 
 def run_detached(rec: registry.JobRecord, timeout_s: float = 30.0) -> registry.JobRecord:
-    """Start the supervisor in its own session; return once it recorded the script's pid."""
-    sup = subprocess.Popen([sys.executable, "-m", SUPERVISOR, "supervise", rec.job_dir],
-                           cwd=rec.submit_dir or None, env=with_package_on_pythonpath(dict(os.environ)),
-                           stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=open(Path(rec.job_dir) / "supervisor.err", "ab"),
-                           start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        cur = registry.load(rec.job_dir)
-        if cur.pid:
-            return cur
-        if sup.poll() is not None:
-            break
-        time.sleep(0.1)
-    err = (Path(rec.job_dir) / "supervisor.err").read_text(errors="replace").strip().splitlines()
-    raise SubmitError(f"local job {rec.job_dir} did not start: {err[-1] if err else 'no pid after %.0fs' % timeout_s}")
+    """Start the supervisor in its own session; return once it started the script."""
+    proc = sup.spawn(rec)
+    cur = sup.wait_started(rec, proc, timeout_s)
+    if cur is None:
+        raise SubmitError(f"local job {rec.job_dir} did not start: {sup.supervisor_error(rec)}")
+    return cur
+
+
+def _settle(job_dir: str, signum: int) -> list[int]:
+    """After the supervisor is gone: if it could not record the end (it was killed), end what is
+    left of the job (its script's tree, its marked processes, Ray temp dirs) and record it."""
+    cur = registry.load(job_dir)
+    if cur.exit_code is not None:
+        return []
+    pids = set(sup.marked_pids(job_dir))
+    if sup.runs(cur.pid, job_dir):
+        pids |= {cur.pid, *procs.descendants(cur.pid)}
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 2.0)):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(procs.alive(p) for p in pids):
+            time.sleep(0.1)
+    sup.remove_ray_temp_dirs(job_dir)
+    with sup.updating(job_dir) as rec:
+        if rec.exit_code is None:
+            rec.exit_code = 128 + signum
+            rec.stop_reason = rec.stop_reason or "its supervisor was killed"
+            rec.cancelled = rec.cancelled or signum == signal.SIGTERM
+    return sorted(pids)
 
 
 # ---------------------------------------------------------------------------- job ops
-def _is_ours(pid: int, job_dir: str) -> bool:
-    """True while ``pid`` lives and belongs to this job (guards against a reused pid)."""
+def requeue_exit_code(rec: registry.JobRecord) -> int:
+    """The job's "checkpointed, stopped, resume me" exit status (the profile may set its own)."""
+    from hpc_verl.trainer.checkpoint import REQUEUE_EXIT_CODE
+
+    text = str(sup.profile_of(rec).get("env", {}).get("vars", {}).get("HPC_VERL_REQUEUE_EXIT_CODE", ""))
+    return int(text) if text.isdigit() else REQUEUE_EXIT_CODE
+
+
+def _checkpoint_step(rec: registry.JobRecord) -> str:
     try:
-        env = Path(f"/proc/{pid}/environ").read_bytes()
+        return (sup.trainer_dir(rec) / "latest_checkpointed_iteration.txt").read_text().strip()
     except OSError:
-        return False
-    return f"{MARKER_ENV}={job_dir}".encode() in env.split(b"\0")
+        return "?"
 
 
-def job_pids(job_dir: str) -> list[int]:
-    """Every live process of this job (the script, Ray, the trainer), by its environment marker."""
-    mark = f"{MARKER_ENV}={job_dir}".encode()
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            if mark in (d / "environ").read_bytes().split(b"\0"):
-                stat = (d / "stat").read_text()
-                if stat.rsplit(")", 1)[1].split()[0] != "Z":
-                    pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
+def failure_line(rec: registry.JobRecord) -> str:
+    """The job's first failure line (``$HPCV_FAILURE_FILE``), if it wrote one."""
+    from hpc_verl.errors import FAILURE_FILE_NAME
+
+    try:
+        return (Path(rec.run_dir) / FAILURE_FILE_NAME).read_text().strip().splitlines()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def info(rec: registry.JobRecord) -> JobInfo:
+    host = os.uname().nodename
     if rec.exit_code is not None:
         rc = rec.exit_code
-        state = JobState.CANCELLED if rec.cancelled else (JobState.COMPLETED if rc == 0 else JobState.FAILED)
-        return JobInfo(state, exit_code=f"{rc}", nodes=os.uname().nodename, source="local", job_id=rec.job_id)
-    if rec.pid and _is_ours(rec.pid, rec.job_dir):
-        return JobInfo(JobState.RUNNING, nodes=os.uname().nodename, source="local", job_id=rec.job_id)
+        if rec.cancelled:
+            state, why = JobState.CANCELLED, rec.stop_reason
+        elif rc == 0:
+            state, why = JobState.COMPLETED, ""
+        elif rc == requeue_exit_code(rec):
+            state = JobState.PREEMPTED
+            why = (f"checkpointed at step {_checkpoint_step(rec)}; continue with 'hpc-verl submit --resume "
+                   f"{rec.job_id}' or 'bash {rec.script}'")
+        else:
+            state, why = JobState.FAILED, failure_line(rec) or f"exit status {rc}"
+        return JobInfo(state, reason=why, exit_code=f"{rc}", nodes=host, source="local", job_id=rec.job_id)
+    if sup.runs(rec.supervisor_pid, rec.job_dir) or sup.runs(rec.pid, rec.job_dir):
+        return JobInfo(JobState.RUNNING, nodes=host, source="local", job_id=rec.job_id)
     return JobInfo(JobState.LOST, reason="the job's process ended without recording its exit status",
                    source="local", job_id=rec.job_id)
 
 
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def cancel(rec: registry.JobRecord, grace_s: float = CANCEL_GRACE_S) -> str:
-    """SIGTERM to the script (its trap stops Ray and the trainer), then SIGKILL whatever of the job is left."""
-    if rec.exit_code is not None:
-        return f"job {rec.job_id} already ended (exit status {rec.exit_code})"
-    rec.cancelled = True
-    rec.save()
-    if rec.pid and _is_ours(rec.pid, rec.job_dir):
-        _signal(rec.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _is_ours(rec.pid, rec.job_dir):
-            time.sleep(0.2)
-    left = reap(rec.job_dir, grace_s=20.0)
-    deadline = time.monotonic() + 10  # the supervisor records the exit status after its own reap
-    while time.monotonic() < deadline and registry.load(rec.job_dir).exit_code is None:
-        time.sleep(0.2)
-    cur = registry.load(rec.job_dir)
-    if cur.exit_code is None:  # the supervisor was killed too: record it ourselves
-        cur.exit_code = 128 + signal.SIGTERM
+    """SIGTERM to the job's supervisor (it passes it to the script, whose trap stops the trainer and
+    Ray, then ends whatever of the job is left); waits until the end is recorded."""
+    with sup.updating(rec.job_dir) as cur:
+        if cur.exit_code is not None:
+            return f"job {cur.job_id} already ended ({info(cur).state}, exit status {cur.exit_code})"
         cur.cancelled = True
-        cur.save()
-    return f"cancelled job {rec.job_id}" + (f" ({len(left)} leftover processes killed)" if left else "")
+        cur.stop_reason = cur.stop_reason or "hpc-verl cancel"
+    target = cur.supervisor_pid if sup.runs(cur.supervisor_pid, cur.job_dir) else cur.pid
+    if sup.runs(target, cur.job_dir):
+        os.kill(target, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and registry.load(cur.job_dir).exit_code is None and (
+            sup.runs(cur.supervisor_pid, cur.job_dir) or sup.runs(cur.pid, cur.job_dir)):
+        time.sleep(0.2)
+    forced = _settle(cur.job_dir, signal.SIGTERM)
+    end = registry.load(cur.job_dir)
+    return (f"cancelled job {end.job_id}: {info(end).state}, exit status {end.exit_code}"
+            + (f" ({len(forced)} processes had to be killed)" if forced else ""))
 
 
 def results(rec: registry.JobRecord) -> list[str]:
     """Lines for the person at the terminal: where the run's results are."""
-    d = trainer_dir(rec)
+    d = sup.trainer_dir(rec)
     lines = [f"run directory: {rec.run_dir}", f"log: {rec.batch_log}"]
     if (d / "metrics.jsonl").exists():
         lines.append(f"metrics: {d / 'metrics.jsonl'}")
@@ -321,6 +310,7 @@ class LocalBackend(ScriptBackend):
 
     scheduler = "local"
     runs_profiles = "local"
+    resumes = True
 
     def job_config(self, request: SubmitRequest) -> Any:
         """``--profile local`` without ``--config`` runs the embedded demo job (newcomers start there)."""
@@ -339,8 +329,42 @@ class LocalBackend(ScriptBackend):
     def profile_sets(self, profile: Any, sets: Sequence[str]) -> list[str]:
         return _local_python_set(profile, sets)
 
+    def new_job_id(self, profile: Any) -> Optional[int]:
+        return new_job_id(profile.ray.temp_dir_root)
+
+    def batch_log(self, record: registry.JobRecord) -> str:
+        return str(Path(record.job_dir) / LOG_NAME)
+
     def by_hand(self, record: registry.JobRecord) -> str:
         return f"bash {record.script}"
+
+    def dryrun(self, request: SubmitRequest) -> DryRun:
+        if request.resume:
+            return self._resume(request)
+        return super().dryrun(request)
+
+    def _resume(self, request: SubmitRequest) -> DryRun:
+        """The job of ``--resume`` as it was submitted, to run again in its own run directory."""
+        if request.config or request.overrides or request.sets or request.name or request.profile:
+            raise ConfigError("--resume JOB runs that job again as it was submitted; leave out --profile, --config, "
+                              "--set, --name and overrides (or submit a new job)")
+        rec = registry.find(str(request.resume))
+        state = info(rec) if not rec.dry_run else JobInfo(JobState.DRY_RUN)
+        if not state.terminal and state.state is not JobState.DRY_RUN:
+            raise SubmitError(f"job {rec.job_id} is {state.state}; wait for it or 'hpc-verl cancel {rec.job_id}' "
+                              "before resuming it")
+        if not rec.job_id or not rec.script or not Path(rec.script).is_file():
+            raise SubmitError(f"job {Path(rec.job_dir).name} has no script to run again ({rec.script or 'none'}); "
+                              "submit a new job")
+        step = _checkpoint_step(rec)
+        with sup.updating(rec.job_dir) as cur:
+            cur.exit_code = None
+            cur.cancelled = False
+            cur.stop_reason = ""
+            cur.supervisor_pid = None
+        where = f"from its checkpoint at step {step}" if step != "?" else "from the start (no checkpoint yet)"
+        return DryRun(self.scheduler, cur, f"resume   local job {cur.job_id} in {cur.run_dir}, {where}",
+                      files=[("script", cur.script)], by_hand=self.by_hand(cur), request=request)
 
     def submit(self, dry: DryRun) -> registry.JobRecord:
         if dry.request.detach:
@@ -353,7 +377,9 @@ class LocalBackend(ScriptBackend):
             return [f"started local job {record.job_id} ({record.name}) in the background",
                     f"run directory: {record.run_dir}",
                     f"follow: hpc-verl logs {record.job_id} --follow    stop: hpc-verl cancel {record.job_id}"]
-        return [f"local job {record.job_id} ({record.name}): {info(record).state}, exit status {record.exit_code}",
+        state = info(record)
+        why = f": {state.reason}" if state.reason else ""
+        return [f"local job {record.job_id} ({record.name}): {state.state}, exit status {record.exit_code}{why}",
                 *results(record)]
 
     def _describe(self, record: registry.JobRecord) -> JobInfo:
@@ -361,15 +387,3 @@ class LocalBackend(ScriptBackend):
 
     def _cancel(self, record: registry.JobRecord) -> str:
         return cancel(record)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] != "supervise":
-        print(f"usage: python -m {SUPERVISOR} supervise JOB_DIR", file=sys.stderr)
-        return 2
-    return supervise(args[1])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

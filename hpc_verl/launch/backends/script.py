@@ -57,6 +57,15 @@ class ScriptBackend(Backend):
         """The command that would submit the dry run's script without hpc-verl."""
         return ""
 
+    def new_job_id(self, profile: Any) -> Optional[int]:
+        """The job's id when the backend fixes it before submission (rendered into the script);
+        None: the scheduler assigns it (``$SLURM_JOB_ID``)."""
+        return None
+
+    def batch_log(self, record: JobRecord) -> str:
+        """Where the batch script's output goes."""
+        return str(Path(record.job_dir) / f"{record.name}-{record.job_id}.out")
+
     # -------------------------------------------------------------- Backend
     def accepts(self, request: SubmitRequest) -> bool:
         if request.ray_address or request.cluster or not request.profile:
@@ -81,7 +90,8 @@ class ScriptBackend(Backend):
         job_dir = registry.new_job_dir(job.name)
         try:
             profile = _load_profile(request.profile, [*sets, f"paths.job_root={job_dir}"])
-            plan = build_plan(profile, job, hold=request.hold)
+            job_id = self.new_job_id(profile)
+            plan = build_plan(profile, job, hold=request.hold, job_id=job_id)
             script_path = job_dir / "script.sbatch"
             atomic_write_text(script_path, plan.script, mode=0o700)
             atomic_write_json(job_dir / "profile.json", profile.to_dict())
@@ -89,6 +99,9 @@ class ScriptBackend(Backend):
             rec = JobRecord(name=job.name, job_dir=str(job_dir), profile=profile.name, script=str(script_path),
                             slurm_conf=os.environ.get("SLURM_CONF"), dry_run=True, scheduler=self.scheduler,
                             submit_dir=os.getcwd(), role=registry.ROLE_CLUSTER if request.hold else registry.ROLE_JOB)
+            if job_id is not None:
+                set_run_paths(rec, job_id, submitted=False)
+                rec.batch_log = self.batch_log(rec)
             rec.save()
         except BaseException:
             shutil.rmtree(job_dir, ignore_errors=True)  # nothing half-written in the registry
@@ -157,11 +170,12 @@ class ScriptBackend(Backend):
         return info["address"], info["token_file"]
 
 
-def set_run_paths(record: JobRecord, job_id: int, batch_log: Optional[str] = None) -> None:
-    """The record of a submitted script job: its id, run directory, logs (saved)."""
+def set_run_paths(record: JobRecord, job_id: int, batch_log: Optional[str] = None, submitted: bool = True) -> None:
+    """The record of a script job with its id: run directory, logs (saved once ``submitted``)."""
     record.job_id = job_id
     record.run_dir = str(Path(record.job_dir) / f"{record.name}-{job_id}")
     record.log_dir = str(Path(record.run_dir) / "logs")
     record.batch_log = batch_log or str(Path(record.job_dir) / f"{record.name}-{job_id}.out")
-    record.dry_run = False
-    record.save()
+    if submitted:
+        record.dry_run = False
+        record.save()

@@ -76,11 +76,12 @@ class LaunchPlan:
 
 def build_plan(profile: Union[Profile, str], job_config: Union[JobConfig, str, None] = None,
                overrides: Optional[list[str]] = None, *, profile_overrides: Optional[list[str]] = None,
-               hold: bool = False) -> LaunchPlan:
+               hold: bool = False, job_id: Optional[int] = None) -> LaunchPlan:
     """Resolve inputs and render. ``overrides`` are trainer ``key=value``; ``profile_overrides`` are ``--set``.
 
     ``hold``: a cluster job (``hpc-verl cluster up``) that keeps Ray up in place of training,
-    so its trainer is not checked."""
+    so its trainer is not checked. ``job_id``: fixed into the script (a local job, whose run
+    directory must stay the same when the script runs again); default ``$SLURM_JOB_ID``."""
     if not isinstance(profile, Profile):
         profile = load_profile(profile, profile_overrides)
     elif profile_overrides:
@@ -95,7 +96,7 @@ def build_plan(profile: Union[Profile, str], job_config: Union[JobConfig, str, N
     if not hold:  # trainer keys and batch arithmetic, before anything is rendered or submitted
         from hpc_verl.launch.spec.trainer_check import validate_job_trainer
         validate_job_trainer(profile, job)
-    script = render_sbatch(profile, job, hold=hold)
+    script = render_sbatch(profile, job, hold=hold, job_id=job_id)
     opts = sbatch_options(profile, job) if profile.scheduler == "slurm" else []
     return LaunchPlan(profile=profile, job=job, script=script, sbatch_options=opts, stages=job_stages(hold))
 

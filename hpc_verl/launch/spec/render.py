@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import jinja2
 
 from hpc_verl._version import __version__
-from hpc_verl.errors import RenderError
+from hpc_verl.errors import FAILURE_FILE_NAME, RenderError
 from hpc_verl.launch.spec.jobconfig import JobConfig
 from hpc_verl.profiles.schema import Profile, parse_size_bytes
 from hpc_verl.trainer.checkpoint import REQUEUE_EXIT_CODE
@@ -226,10 +226,12 @@ def _expiry_context(profile: Profile, job: JobConfig) -> dict[str, Any] | None:
     return {"env": expiry.EXPIRY_ENV, "poll_s": int(expiry.POLL_DEFAULT_S), "requeue_exit": REQUEUE_EXIT_CODE}
 
 
-def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False) -> dict[str, Any]:
+def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False,
+                   job_id: Optional[int] = None) -> dict[str, Any]:
     """Everything job.sbatch.j2 and its partials may use (the only context of that template).
 
-    ``hold``: a cluster job (``hpc-verl cluster up``): the hold stage replaces train."""
+    ``hold``: a cluster job (``hpc-verl cluster up``): the hold stage replaces train. ``job_id``:
+    the job's fixed id (a local job); None: SLURM's, or the shell's pid when run by hand."""
     c, n = profile.container, profile.network
     devices = list(n.ib_devices) if n.transport in ("infiniband", "roce") else []
     devices += [d for d in c.devices if d not in devices]
@@ -252,6 +254,8 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False) -> dict
         "requeue_exit_code": requeue_exit_code(profile),
         "verl_job": _is_verl(job),
         "expiry": _expiry_context(profile, job),
+        "job_id": job_id,
+        "failure_file": FAILURE_FILE_NAME,
     }
 
 
@@ -271,6 +275,8 @@ def render_template(name: str, *args: Any) -> str:
         raise RenderError(f"template {name}: {exc}") from None
 
 
-def render_sbatch(profile: Profile, job: Optional[JobConfig] = None, hold: bool = False) -> str:
-    """The sbatch script (text) for a resolved profile and job config (``hold``: a cluster job)."""
-    return render_template(SBATCH_TEMPLATE, profile, job or JobConfig(), hold)
+def render_sbatch(profile: Profile, job: Optional[JobConfig] = None, hold: bool = False,
+                  job_id: Optional[int] = None) -> str:
+    """The sbatch script (text) for a resolved profile and job config (``hold``: a cluster job;
+    ``job_id``: a fixed job id, see ``sbatch_context``)."""
+    return render_template(SBATCH_TEMPLATE, profile, job or JobConfig(), hold, job_id)
