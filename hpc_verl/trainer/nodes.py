@@ -25,7 +25,6 @@ from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import workers as W
 from hpc_verl.trainer.lm import response_log_probs
 from hpc_verl.trainer.model import quiet_transformers
-from hpc_verl.trainer.rollout import make_rollout_worker
 
 POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
 
@@ -42,6 +41,15 @@ def _sum_counts(*parts: dict | None) -> dict[str, int]:
         for key, value in (part or {}).items():
             out[key] = out.get(key, 0) + (sum(value) if isinstance(value, list) else int(value))
     return out
+
+
+def make_rollout_worker(cfg: dict) -> Any:
+    """The configured rollout (``rollout.name``); vllm without vLLM or GPUs is one clear error."""
+    if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":
+        from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
+        return VLLMRolloutWorker(cfg)
+    from hpc_verl.trainer.rollout import RolloutWorker
+    return RolloutWorker(cfg)
 
 
 class RolloutNode:
