@@ -75,6 +75,8 @@ def init_default_group(store: Any, rank: int, world_size: int, backend: str, tim
     backend = resolve_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(0)  # Ray shows an actor only its own GPU(s)
+        # CPU tensors (counters, statistics, CPU-offloaded FSDP shards) need a CPU backend too
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 

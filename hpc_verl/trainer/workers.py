@@ -103,7 +103,9 @@ class _Trainable(_SequenceParallel):
         torch = torch_mod()
         self.model = TrainModel(module, strategy, self.par, param_offload=bool(fsdp_cfg.get("param_offload")),
                                 reshard_after_forward=bool(fsdp_cfg.get("reshard_after_forward", True)))
-        self.optimizer_offload = bool(fsdp_cfg.get("optimizer_offload")) and self.device == "cuda"
+        # with param_offload the parameters, so the optimizer state too, already live on the CPU
+        self.optimizer_offload = (bool(fsdp_cfg.get("optimizer_offload")) and self.device == "cuda"
+                                  and not fsdp_cfg.get("param_offload"))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim_cfg["lr"],
                                            betas=tuple(optim_cfg["betas"]), weight_decay=optim_cfg["weight_decay"])
         warmup = optim_cfg["lr_warmup_steps"]
