@@ -364,6 +364,11 @@ class RayJobsBackend(Backend):
             return 1
         return 0
 
+    def _attach(self, record: JobRecord, node: Optional[str], command: list[str]) -> int:
+        raise ConfigError(f"job {self.ref(record)} is a Ray job: a driver inside someone's Ray cluster, with no "
+                          "container or allocation of its own to attach to; attach to the cluster's own job "
+                          "instead ('hpc-verl attach CLUSTER_JOB' for one held by 'hpc-verl cluster up')")
+
     def _cancel(self, record: JobRecord) -> str:
         h = self.handle(record)
         current = h.state
