@@ -69,7 +69,7 @@ def test_plot_cli_draws_the_curve_and_checks_the_final_mean(cli, tmp_path):
 
 def test_main_job_uses_the_learning_tests_settings():
     """examples/job_local_digits.yaml is the learning proof's config as a job file (no drift)."""
-    from hpc_verl.launch.jobconfig import load_job_config
+    from hpc_verl.launch.spec.jobconfig import load_job_config
     from trainer_fixtures import digit_overrides
 
     job = load_job_config(str(REPO / "examples" / "job_local_digits.yaml"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hpc_verl.dataflow import spmd
 from hpc_verl.dataflow.board import ControlBoard
@@ -117,6 +117,59 @@ class Router:
         with self.lock:
             self.items_out += n
         return out
+
+    def stream(self, produce: Callable[[], Any], depth: int) -> Iterator[dict[str, Any]]:
+        """Items from ``produce()`` (one per call; None: no more) into the single source, at most
+        ``depth`` in flight; yields each item's sink outputs, in input order, as it completes. An
+        item is submitted with the control versions published when it is submitted, so with
+        depth 2 an item may be generated one version behind the one it is trained at (the
+        caller's one-step-off-policy mode). Holds the step lock while it runs."""
+        import ray
+
+        sources = self.graph.sources()
+        if len(sources) != 1:
+            raise DataflowError(f"stream(): graph '{self.graph.name}' has {len(sources)} sources; it needs one")
+        if not isinstance(depth, int) or depth < 1:
+            raise DataflowError(f"stream(): depth={depth!r} must be an int >= 1")
+        sinks = self.graph.sinks()
+        with self.step_lock:
+            pending: list[Track] = []
+            waiting: dict[Any, Track] = {}
+            exhausted = False
+            try:
+                while True:
+                    while not exhausted and len(pending) < depth:
+                        item = produce()
+                        if item is None:
+                            exhausted = True
+                            break
+                        track = self._submit({sources[0]: [item]}, 1)
+                        pending.append(track)
+                        for name in self._watch:
+                            for ref in track.refs[name]:
+                                waiting[ref] = track
+                                track.waiting += 1
+                    if not pending:
+                        return
+                    head = pending[0]
+                    while head.key in self.live:
+                        ready, _ = ray.wait(list(waiting), num_returns=1, fetch_local=False)
+                        for ref in ready:
+                            track = waiting.pop(ref)
+                            track.waiting -= 1
+                            if track.waiting == 0:
+                                self._complete(track)
+                    pending.pop(0)
+                    out = {name: self._gather(name, [head])[0] for name in sinks}
+                    with self.lock:
+                        self.items_out += 1
+                    yield out
+            except GeneratorExit:
+                raise
+            except Exception as exc:  # noqa: BLE001 - turned into one clear error
+                raise self.run_error(exc, pending) from None
+            finally:
+                self._abandon(pending)
 
     def _gather(self, name: str, tracks: list[Track]) -> list[Any]:
         """The node's outputs in input order (split shards collected, spmd: rank 0's)."""

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import uuid
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hpc_verl.dataflow.board import ControlBoard
 from hpc_verl.dataflow.distgroup import DEFAULT_BUCKET_BYTES
@@ -138,6 +138,12 @@ class HybridScheduler:
         whenever a worker group is on the path); handlers still see one item at a time."""
         self._require_started()
         return self.router.run(inputs, sinks_only, micro_batch)
+
+    def stream(self, produce: Callable[[], Any], depth: int = 2) -> Iterator[dict[str, Any]]:
+        """Feed the graph's one source from ``produce()`` (None: stop), ``depth`` items in flight;
+        yields ``{sink: output}`` per item in input order (see ``Router.stream``)."""
+        self._require_started()
+        return self.router.stream(produce, depth)
 
     def send_control(self, edge: Edge | str, payload: Any, version: int, *, _delay_s: float = 0.0) -> None:
         """Publish ``payload`` as ``version`` on a control edge, from the driver (``TENSORS``:

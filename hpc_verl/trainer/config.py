@@ -42,6 +42,7 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": (int,),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": (int,),
     "critic.enable": (bool,),
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size": (int,),
     "critic.ppo_mini_batch_size": (int,),
     "critic.ppo_micro_batch_size": (int,),
     "critic.ppo_micro_batch_size_per_gpu": (int,),
@@ -91,6 +92,9 @@ _POSITIVE = {
     "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.rollout.max_num_seqs",
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size",
+    "critic.ulysses_sequence_parallel_size", "critic.fsdp.ulysses_sequence_parallel_size",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
@@ -343,8 +347,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     _validate_values(_flatten(schema), cfg)
     _interpolate(cfg)
     _fill_derived(cfg)
-    from hpc_verl.trainer.support import derive_micro_batches, refuse_unsupported
+    from hpc_verl.trainer.support import derive_micro_batches, derive_sequence_parallel, refuse_unsupported
     refuse_unsupported(cfg)
+    derive_sequence_parallel(cfg)
     derive_micro_batches(cfg)
     return _sectioned(cfg)
 

@@ -3,7 +3,7 @@
 Item flow of one step (one item = one batch of prompts x rollout.n)::
 
     actor_rollout ──► reward_score ──┐       split by prompt group over the rollout replicas
-          │  └──────► ref_logprob ───┤       split by rows over the reference ranks (KL only)
+          │  └──────► ref_logprob ───┤       SPMD over the reference ranks (KL only)
           │                          ▼
           ├───────────────► critic (GAE: values, advantages, value update; SPMD)
           │                 or advantage (GRPO: group-normalised advantages)
@@ -25,7 +25,6 @@ from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import workers as W
 from hpc_verl.trainer.lm import response_log_probs
 from hpc_verl.trainer.model import quiet_transformers
-from hpc_verl.trainer.rollout import make_rollout_worker
 
 POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
 
@@ -44,6 +43,15 @@ def _sum_counts(*parts: dict | None) -> dict[str, int]:
     return out
 
 
+def make_rollout_worker(cfg: dict) -> Any:
+    """The configured rollout (``rollout.name``); vllm without vLLM or GPUs is one clear error."""
+    if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":
+        from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
+        return VLLMRolloutWorker(cfg)
+    from hpc_verl.trainer.rollout import RolloutWorker
+    return RolloutWorker(cfg)
+
+
 class RolloutNode:
     """A rollout replica: generates for its shard with the latest policy version it holds."""
 
@@ -53,6 +61,13 @@ class RolloutNode:
         self.cfg = cfg
         self.need_log_prob = bool(cfg["algorithm"]["use_kl_in_reward"])
         self.sampler_log_prob_ok = bool(cfg["hpc_verl"]["old_log_prob_from_rollout"])
+        if getattr(self.worker, "model", None) is None:   # vLLM: no model here to recompute with
+            if self.need_log_prob and not getattr(self.worker, "log_probs_exact", False):
+                from hpc_verl.errors import ConfigError
+                raise ConfigError("algorithm.use_kl_in_reward with rollout.name=vllm takes the sampler's log-probs, "
+                                  "which equal the policy's only without top-k/top-p filtering; set "
+                                  "actor_rollout_ref.rollout.top_k=-1 and top_p=1.0")
+            self.sampler_log_prob_ok = True
 
     def process(self, shard: dict) -> dict:
         ctx = _context()
@@ -95,13 +110,25 @@ class RewardNode:
         return self.worker.score(batch)
 
 
-class RefNode:
+class _Ulysses:
+    """``set_ulysses`` for HybridScheduler.disable_ulysses: the worker splits sequences again or not
+    from its next step on."""
+
+    worker: Any
+
+    def set_ulysses(self, enabled: bool) -> None:
+        self.worker.set_ulysses(enabled)
+
+
+class RefNode(_Ulysses):
+    """One rank of the reference's group (SPMD: every rank gets the batch, computes its rows)."""
+
     def __init__(self, cfg: dict) -> None:
         quiet_transformers()
         self.worker = W.RefWorker(cfg)
 
-    def process(self, shard: dict) -> dict:
-        return self.worker.compute_ref_log_prob(shard)
+    def process(self, batch: dict) -> dict:
+        return self.worker.compute_ref_log_prob(batch)
 
 
 class _AdvantageMixin:
@@ -164,7 +191,7 @@ class AdvantageNode(_AdvantageMixin):
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
 
-class CriticNode(_AdvantageMixin):
+class CriticNode(_AdvantageMixin, _Ulysses):
     """GAE, one rank of the critic's group: values (rows split, gathered), advantages and
     returns (the same on every rank), then the data-parallel value update."""
 
@@ -210,7 +237,7 @@ class CriticNode(_AdvantageMixin):
         return _check_world(self.cfg, world)
 
 
-class ActorNode:
+class ActorNode(_Ulysses):
     """One rank of the actor's group: old log-probs, the PPO update, then the new version
     published (TENSORS: the runtime moves the weights to the rollout)."""
 

@@ -155,11 +155,3 @@ def _sample_logits(logits: Any, temperature: float, top_k: int, top_p: float, ge
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, -1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-
-
-def make_rollout_worker(cfg: dict) -> RolloutWorker:
-    """The configured rollout; ``rollout.name=vllm`` without vLLM or GPUs is one clear error."""
-    if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":
-        from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
-        return VLLMRolloutWorker(cfg)
-    return RolloutWorker(cfg)

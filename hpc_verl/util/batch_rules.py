@@ -91,11 +91,21 @@ def _dynamic(cfg: Mapping[str, Any], section: str) -> bool:
     return actor if own is None else bool(own)
 
 
+def _sp_key(cfg: Mapping[str, Any], section: str) -> str:
+    """Where the section's Ulysses size is set: verl 0.9's FSDP settings (``fsdp_config``, the
+    critic's ``fsdp``) when set there, else the deprecated ``<section>.ulysses_sequence_parallel_size``."""
+    for key in (f"{section}.fsdp_config.ulysses_sequence_parallel_size",
+                f"{section}.fsdp.ulysses_sequence_parallel_size"):
+        if get_path(cfg, key) not in (None, 1):
+            return key
+    return f"{section}.ulysses_sequence_parallel_size"
+
+
 def _sp(cfg: Mapping[str, Any], section: str, world: int, problems: list[str]) -> int:
     """The section's Ulysses sequence-parallel size (1 on CPU: one worker, nothing to split)."""
     if world <= 0:
         return 1
-    return _positive(cfg, f"{section}.ulysses_sequence_parallel_size", problems) or 1
+    return _positive(cfg, _sp_key(cfg, section), problems) or 1
 
 
 def batch_problems(cfg: Mapping[str, Any], dp_sizes: Mapping[str, int], *, gpus_per_node: int = 0,
@@ -188,7 +198,7 @@ def _update_batches(cfg: Mapping[str, Any], role: str, tbs: int, n: int, world: 
     sp = _sp(cfg, section, world, out)
     ranks = max(world, 1)
     if ranks % sp:
-        return out + [f"{section}.ulysses_sequence_parallel_size ({sp}) does not divide the {ranks} GPUs of the "
+        return out + [f"{_sp_key(cfg, section)} ({sp}) does not divide the {ranks} GPUs of the "
                       f"{role}; use one of {_divisors(ranks, ranks)}"]
     dp = max(1, ranks // sp)
     if micro_global is not None:

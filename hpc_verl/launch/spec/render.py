@@ -168,6 +168,8 @@ def env_block(profile: Profile) -> list[tuple[str, str, str]]:
     if profile.accelerator == "amd":
         out.append(("HSA_NO_SCRATCH_RECLAIM", "1", "ROCm: keep scratch memory (as verl sets for its workers); "
                     "RCCL reads the NCCL_* variables above"))
+    if "WANDB_MODE" not in e.vars:   # compute nodes rarely reach wandb.ai: record offline, `wandb sync` later
+        out.append(("WANDB_MODE", "offline", "trainer.logger wandb: offline on compute nodes (wandb sync later)"))
     for name, value in e.vars.items():
         out.append((name, value, "profile env.vars"))
     return out
