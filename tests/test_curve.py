@@ -69,13 +69,14 @@ def test_plot_cli_draws_the_curve_and_checks_the_final_mean(cli, tmp_path):
 
 def test_main_job_uses_the_learning_tests_settings():
     """examples/job_local_digits.yaml is the learning proof's config as a job file (no drift)."""
-    from hpc_verl.launch.jobconfig import load_job_config
+    from hpc_verl.launch.spec.jobconfig import load_job_config
     from trainer_fixtures import digit_overrides
 
     job = load_job_config(str(REPO / "examples" / "job_local_digits.yaml"))
     proof = dict(o.split("=", 1) for o in digit_overrides(Path("m"), Path("d"), Path("r"), 120))
     mine = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in job.trainer.overrides.items()}
-    launcher = {"actor_rollout_ref.model.path", "data.train_files", "hpc_verl.run_dir", "hpc_verl.progress"}
+    launcher = {"actor_rollout_ref.model.path", "data.train_files", "hpc_verl.run_dir", "hpc_verl.progress",
+                "trainer.n_gpus_per_node"}   # (the allocation's: the local profile gives one CPU rank)
     for key, value in proof.items():
         if key in launcher:
             continue

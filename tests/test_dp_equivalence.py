@@ -67,7 +67,7 @@ def _batch(vocab: int) -> dict:
             "returns": torch.randn(n, rlen, generator=g) * resp_mask}
 
 
-def _run(model_path: str, world: int, strategy: str, batch: dict) -> tuple[dict, dict]:
+def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1) -> tuple[dict, dict]:
     from hpc_verl.dataflow import DataflowGraph, HybridScheduler, Node, WorkerGroup
     from hpc_verl.trainer.config import load_config
 
@@ -79,8 +79,10 @@ def _run(model_path: str, world: int, strategy: str, batch: dict) -> tuple[dict,
                              "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
                              "critic.ppo_micro_batch_size_per_gpu=1", "critic.optim.lr=1e-3",
                              f"actor_rollout_ref.actor.strategy={strategy}", f"critic.strategy={strategy}",
-                             "algorithm.adv_estimator=gae"]).to_dict()
-    graph = DataflowGraph(f"dp-{strategy}-{world}")
+                             "algorithm.adv_estimator=gae",
+                             f"actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size={sp}",
+                             f"critic.fsdp.ulysses_sequence_parallel_size={sp}"]).to_dict()
+    graph = DataflowGraph(f"dp-{strategy}-{world}-sp{sp}")
     graph.add(Node("roles", Roles, group=WorkerGroup("g", world, {"CPU": 1}, timeout_s=60), init_args=(cfg,)))
     sched = HybridScheduler(graph, backpressure=False)
     try:
@@ -109,13 +111,17 @@ def cluster():
         stop_sim_cluster(c)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_update_like_one(cluster, tiny_model, strategy):
+@pytest.mark.parametrize("strategy,sp", [("ddp", 1), ("fsdp2", 1), ("ddp", 2), ("fsdp2", 2)],
+                         ids=["ddp", "fsdp2", "ddp-ulysses2", "fsdp2-ulysses2"])
+def test_two_ranks_update_like_one(cluster, tiny_model, strategy, sp):
+    """W=2 as two data-parallel ranks, or (ulysses2) as one data-parallel rank whose two ranks
+    split every sequence (Ulysses SP=2, all-to-all attention) - against W=1."""
     import json
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     batch = _batch(vocab)
     m1, w1 = _run(str(tiny_model), 1, strategy, batch)
-    m2, w2 = _run(str(tiny_model), 2, strategy, batch)
+    m2, w2 = _run(str(tiny_model), 2, strategy, batch, sp=sp)
+    assert m2["actor/ulysses_sp"] == m2["critic/ulysses_sp"] == sp
     moved = 0.0
     for role in ("actor", "critic"):
         for name, t1 in w1[role].items():
@@ -123,11 +129,12 @@ def test_two_ranks_update_like_one(cluster, tiny_model, strategy):
             assert diff < TOL, f"{strategy} {role}.{name}: W=2 differs from W=1 by {diff:g}"
     from transformers import AutoModelForCausalLM
     init = dict(AutoModelForCausalLM.from_pretrained(str(tiny_model)).named_parameters())
-    moved = max(float((w1["actor"][n] - init[n]).abs().max()) for n in init)
+    moved = max(float((w1["actor"][n] - init[n].detach()).abs().max()) for n in init)
     assert moved > 1e-4, "the update did not change the actor; the comparison would prove nothing"
     for key in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
                 "critic/vf_loss", "critic/grad_norm"):
         assert m1[key] == pytest.approx(m2[key], abs=TOL, rel=TOL), key
-    assert torch.allclose(m1["old_log_prob_after"], m2["old_log_prob_after"], atol=TOL)
+    mask = batch["response_mask"]   # (padded positions carry no meaning: the losses mask them)
+    assert torch.allclose(m1["old_log_prob_after"] * mask, m2["old_log_prob_after"] * mask, atol=TOL)
     # the same work at either size: 2 epochs x 8 rows forward+backward, 2 epochs x 2 optimizer steps
     assert m1["counts"] == m2["counts"] == ({"fwd_rows": 16, "bwd_rows": 16, "optim_steps": 4},) * 2

@@ -97,6 +97,10 @@ def test_submit_local_end_to_end(cli, tmp_path, tiny_model, home):
     assert {"preprocess", "model-check", "train"} <= set(d["stages_done"])
     assert local.job_pids(str(jobs[0])) == []  # Ray and the trainer are gone when submit returns
     assert "COMPLETED" in cli("list", env=home).stdout
+    # the last steps as a table, under verl's metric names
+    table = cli("logs", str(rec["job_id"]), "--metrics", "3", env=home)
+    assert table.returncode == 0 and "last 3 step(s)" in table.stdout and "critic/score/mean" in table.stdout
+    assert [ln.split()[1] for ln in table.stdout.splitlines() if ln.startswith("│")][-3:] == ["3", "4", "5"]
 
 
 def test_missing_model_fails_in_one_line_and_writes_nothing(cli, tmp_path, home):

@@ -43,7 +43,7 @@ def _until(what: str, cond, run_dir: str, timeout_s: float = 180) -> None:
 
 
 def test_verl_saves_before_the_limit_requeues_and_resumes(slurm_testbed, tmp_path):
-    from hpc_verl.launch import slurm
+    from hpc_verl.launch.backends import slurm
 
     bed = slurm_testbed
     profiles = tmp_path / "profiles"

@@ -211,9 +211,36 @@ def test_live_resize_of_the_hybrid_group_between_steps(tiny_model, digits_data, 
     assert [m["rollout/replicas"] for m in (first, second, third)] == [2, 1, 2]
 
 
+def test_disable_ulysses_switches_the_next_step_to_unsplit(tiny_model, digits_data, tmp_path):
+    from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
+    from hpc_verl.trainer.config import load_config
+    from hpc_verl.trainer.graph import DataflowRunner
+    from hpc_verl.trainer.ppo import PPOTrainer
+
+    cluster = start_sim_cluster([(3, 0)])
+    try:
+        cfg = load_config(None, _args(tiny_model, digits_data, tmp_path / "run", 3, 2,
+                                      "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2"))
+        trainer = PPOTrainer(cfg, runner=DataflowRunner(), progress=False)
+        trainer.runner.start(cfg.to_dict(), trainer.total_steps)
+        try:
+            first = trainer.train_step()
+            assert trainer.scheduler.disable_ulysses("actor_update") is True
+            second = trainer.train_step()
+            status = trainer.scheduler.get_status()
+        finally:
+            trainer.runner.shutdown()
+    finally:
+        stop_sim_cluster(cluster)
+    assert first["actor/ulysses_sp"] == 2 and second["actor/ulysses_sp"] == 1
+    assert status["nodes"]["actor_update"]["ulysses"] is False
+    assert any("disabled Ulysses sequence parallelism for actor_update" in d for d in status["decisions"])
+
+
 @pytest.mark.parametrize("override,what", [
     ("actor_rollout_ref.actor.strategy=megatron", "is not one of fsdp, fsdp2, ddp"),
-    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "Ulysses sequence parallelism is not implemented"),
+    ("actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=3", "does not divide"),
+    ("hpc_verl.one_step_off_policy=true", "its own devices"),
     ("actor_rollout_ref.rollout.mode=async", "only the synchronous rollout"),
     ("actor_rollout_ref.model.use_remove_padding=true", "padding-free"),
     ("actor_rollout_ref.rollout.gpu_memory_utilization=0.8", "applies to the vLLM rollout only"),
@@ -221,7 +248,7 @@ def test_live_resize_of_the_hybrid_group_between_steps(tiny_model, digits_data, 
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "tensor parallelism needs rollout.name=vllm"),
 ])
 def test_unsupported_values_are_refused_in_one_line(cli, override, what):
-    res = cli("train", "--print-config", override)
+    res = cli("train", "--dry-run", override)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and what in lines[0], res.stderr
     assert override.split("=")[0] in lines[0]

@@ -11,8 +11,8 @@ import re
 import pytest
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.launch.jobconfig import job_from_dict
-from hpc_verl.launch.verl import validate_job_trainer
+from hpc_verl.launch.spec.jobconfig import job_from_dict
+from hpc_verl.launch.spec.trainer_check import validate_job_trainer
 from hpc_verl.profiles import load_profile
 from hpc_verl.verl_upstream import config as vconfig
 from hpc_verl.verl_upstream import expiry, findings

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from hpc_verl.dataflow import spmd
 from hpc_verl.dataflow.board import ControlBoard
@@ -93,21 +93,14 @@ class Router:
                         track = self._submit({s: items[s][pos:pos + size] for s in sources}, size)
                         for name in keep:
                             result[name].append(track)
-                        for name in self._watch:
-                            for ref in track.refs[name]:
-                                waiting[ref] = track
-                                track.waiting += 1
+                        self._watch_refs(track, waiting)
                         pos += size
                         active += size
                     refs = list(waiting)
                     ready, _ = ray.wait(refs, num_returns=max(1, len(refs) // 4), fetch_local=False)
-                    for ref in ready:
-                        track = waiting.pop(ref)
-                        track.waiting -= 1
-                        if track.waiting == 0:
-                            active -= track.size
-                            self._complete(track)
+                    active -= sum(t.size for t in self._settle(ready, waiting))
                 out = {name: self._gather(name, result[name]) for name in keep}
+                self.board.wait_pending()
             except Exception as exc:  # noqa: BLE001 - turned into one clear error
                 tracks = {id(t): t for ts in result.values() for t in ts}
                 tracks.update({id(t): t for t in waiting.values()})
@@ -118,6 +111,72 @@ class Router:
             self.items_out += n
         return out
 
+    def stream(self, produce: Callable[[], Any], depth: int) -> Iterator[dict[str, Any]]:
+        """Items from ``produce()`` (one per call; None: no more) into the single source, at most
+        ``depth`` in flight; yields each item's sink outputs, in input order, as it completes. An
+        item is submitted with the control versions published when it is submitted, so with
+        depth 2 an item may be generated one version behind the one it is trained at (the
+        caller's one-step-off-policy mode). Holds the step lock while it runs."""
+        import ray
+
+        sources = self.graph.sources()
+        if len(sources) != 1:
+            raise DataflowError(f"stream(): graph '{self.graph.name}' has {len(sources)} sources; it needs one")
+        if not isinstance(depth, int) or depth < 1:
+            raise DataflowError(f"stream(): depth={depth!r} must be an int >= 1")
+        sinks = self.graph.sinks()
+        with self.step_lock:
+            pending: list[Track] = []
+            waiting: dict[Any, Track] = {}
+            exhausted = False
+            try:
+                while True:
+                    while not exhausted and len(pending) < depth:
+                        item = produce()
+                        if item is None:
+                            exhausted = True
+                            break
+                        track = self._submit({sources[0]: [item]}, 1)
+                        pending.append(track)
+                        self._watch_refs(track, waiting)
+                    if not pending:
+                        return
+                    head = pending[0]
+                    while head.key in self.live:
+                        ready, _ = ray.wait(list(waiting), num_returns=1, fetch_local=False)
+                        self._settle(ready, waiting)
+                    pending.pop(0)
+                    out = {name: self._gather(name, [head])[0] for name in sinks}
+                    with self.lock:
+                        self.items_out += 1
+                    yield out
+            except GeneratorExit:
+                raise
+            except Exception as exc:  # noqa: BLE001 - turned into one clear error
+                raise self.run_error(exc, pending) from None
+            finally:
+                self._abandon(pending)
+                if not pending:
+                    self.board.wait_pending()   # the last snapshot transfer, before anyone saves
+
+    def _watch_refs(self, track: Track, waiting: dict[Any, Track]) -> None:
+        """The refs that tell when ``track`` is done (sinks, emitters, every rank of a group)."""
+        for name in self._watch:
+            for ref in track.refs[name]:
+                waiting[ref] = track
+                track.waiting += 1
+
+    def _settle(self, ready: list[Any], waiting: dict[Any, Track]) -> list[Track]:
+        """Count ready refs off their tracks; complete (publish the controls of) the finished ones."""
+        done = []
+        for ref in ready:
+            track = waiting.pop(ref)
+            track.waiting -= 1
+            if track.waiting == 0:
+                self._complete(track)
+                done.append(track)
+        return done
+
     def _gather(self, name: str, tracks: list[Track]) -> list[Any]:
         """The node's outputs in input order (split shards collected, spmd: rank 0's)."""
         import ray
@@ -127,9 +186,7 @@ class Router:
         for track in tracks:
             refs = track.refs[name]
             if node.dispatch == "split":
-                envs = ray.get(refs)
-                collect = node.collect or spmd.concat
-                vals.extend(collect([e[1][j] for e in envs]) for j in range(len(envs[0][1])))
+                vals.extend(spmd.gather_items([e[1] for e in ray.get(refs)], node.collect))
             else:
                 vals.extend(ray.get(refs[0])[1])
         return vals
@@ -230,6 +287,10 @@ class Router:
 
     # ---- method calls --------------------------------------------------------------
     def call(self, node_name: str, method: str, args_per_instance: list[tuple], kwargs: dict) -> list[Any]:
+        with self.step_lock:   # never in the middle of a resize (the driver's own thread re-enters)
+            return self._call(node_name, method, args_per_instance, kwargs)
+
+    def _call(self, node_name: str, method: str, args_per_instance: list[tuple], kwargs: dict) -> list[Any]:
         import ray
 
         insts = sorted(self.pool.routable[node_name], key=lambda i: i.index)

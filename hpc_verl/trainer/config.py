@@ -42,6 +42,7 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": (int,),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": (int,),
     "critic.enable": (bool,),
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size": (int,),
     "critic.ppo_mini_batch_size": (int,),
     "critic.ppo_micro_batch_size": (int,),
     "critic.ppo_micro_batch_size_per_gpu": (int,),
@@ -91,6 +92,9 @@ _POSITIVE = {
     "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.rollout.max_num_seqs",
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size",
+    "critic.ulysses_sequence_parallel_size", "critic.fsdp.ulysses_sequence_parallel_size",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
@@ -343,8 +347,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     _validate_values(_flatten(schema), cfg)
     _interpolate(cfg)
     _fill_derived(cfg)
-    from hpc_verl.trainer.support import derive_micro_batches, refuse_unsupported
+    from hpc_verl.trainer.support import derive_micro_batches, derive_sequence_parallel, refuse_unsupported
     refuse_unsupported(cfg)
+    derive_sequence_parallel(cfg)
     derive_micro_batches(cfg)
     return _sectioned(cfg)
 
@@ -409,7 +414,20 @@ def batch_problems_for(cfg: Mapping) -> list[str]:
     for role in BATCH_ROLES:
         g = topo.group_of(role)
         sizes[role] = g.world_size if g else 1
-    return batch_problems(cfg, sizes)
+    problems = batch_problems(cfg, sizes)
+    tbs, n = cfg["data"]["train_batch_size"], cfg["actor_rollout_ref"]["rollout"]["n"]
+    for role, key, sp_key in (("actor", "actor_rollout_ref.actor.ppo_mini_batch_size",
+                               "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"),
+                              ("critic", "critic.ppo_mini_batch_size", "critic.fsdp.ulysses_sequence_parallel_size")):
+        if role == "critic" and not cfg["critic"]["enable"]:
+            continue
+        mini = get_path(cfg, key)
+        dp = max(1, sizes[role] // max(1, int(get_path(cfg, sp_key) or 1)))
+        if isinstance(mini, int) and 0 < mini < tbs and tbs % mini and ((tbs % mini) * n) % dp:
+            problems.append(f"data.train_batch_size ({tbs}) is not a multiple of {key} ({mini}): its last, "
+                            f"smaller mini-batch ({tbs % mini} x n={n} responses) does not split over the "
+                            f"{dp} data-parallel ranks of the {role}; make the train batch a multiple of it")
+    return problems
 
 
 def validate_for_run(cfg: Mapping) -> None:

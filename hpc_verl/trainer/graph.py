@@ -57,13 +57,15 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
         else:                             # rule-based: an independent replica, no device
             reward = Node("reward_score", N.RewardNode, init_args=(cfg,))
         if group("ref") is not None:
-            ref = Node("ref_logprob", N.RefNode, group=group("ref"), dispatch="split", init_args=(cfg,))
+            ref = Node("ref_logprob", N.RefNode, group=group("ref"), dispatch="spmd", init_args=(cfg,),
+                       ulysses=_sp(cfg, "ref") > 1)
         if grpo:
             adv = Node("advantage", N.AdvantageNode, init_args=(cfg,), max_parallelism=1)
         else:
-            adv = Node("critic", N.CriticNode, group=group("critic"), dispatch="spmd", init_args=(cfg, total_steps))
+            adv = Node("critic", N.CriticNode, group=group("critic"), dispatch="spmd", init_args=(cfg, total_steps),
+                       ulysses=_sp(cfg, "critic") > 1)
         actor = Node("actor_update", N.ActorNode, group=group("actor"), dispatch="spmd",
-                     init_args=(cfg, total_steps))
+                     init_args=(cfg, total_steps), ulysses=_sp(cfg, "actor") > 1)
         # scores are a few bytes per response: keep reward next to the rollout
         Edge(rollout, reward, data_type="rollout_batch", co_locate=True)
         Edge(rollout, adv, data_type="rollout_batch")
@@ -75,6 +77,13 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
         Edge(adv, actor, data_type="advantages")
         Edge(actor, rollout, data_type=N.POLICY_EDGE, control=True, consistency="strong")
     return graph
+
+
+def _sp(cfg: Mapping, role: str) -> int:
+    """The role's Ulysses sequence-parallel size (verl 0.9's keys, resolved by load_config)."""
+    if role == "critic":
+        return int(cfg["critic"]["fsdp"]["ulysses_sequence_parallel_size"])
+    return int(cfg["actor_rollout_ref"][role]["fsdp_config"]["ulysses_sequence_parallel_size"])
 
 
 def adv_node_name(cfg: Mapping) -> str:
@@ -142,8 +151,6 @@ class DataflowRunner:
             pkg_parent = str(Path(__file__).resolve().parents[2])
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])),
                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-            if os.environ.get("HPC_VERL_DIST_PORTS"):
-                env["HPC_VERL_DIST_PORTS"] = os.environ["HPC_VERL_DIST_PORTS"]
             if address:
                 ray.init(address=address, namespace="hpc_verl", runtime_env={"env_vars": env},
                          log_to_driver=True)
@@ -173,6 +180,11 @@ class DataflowRunner:
     def run_step(self, batch: dict) -> dict:
         out = self.sched.run({"actor_rollout": [batch]})
         return out["actor_update"][0]
+
+    def stream(self, produce: Any, depth: int) -> Any:
+        """Steps from ``produce()`` with ``depth`` in flight; each step's actor metrics in order."""
+        for out in self.sched.stream(produce, depth):
+            yield out["actor_update"]
 
     def call(self, node: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """``method`` on every rank of the node (SPMD); rank 0's result."""
@@ -333,6 +345,10 @@ class InlineRunner:
     def publish_policy(self, version: int) -> None:
         from hpc_verl.dataflow import TENSORS
         self._deliver("actor_update", [(N.POLICY_EDGE, version, TENSORS)])
+
+    def stream(self, produce: Any, depth: int) -> Any:
+        raise ConfigError("hpc_verl.one_step_off_policy needs the Ray runner (two steps in flight); the "
+                          "in-process InlineRunner runs one step at a time")
 
     def status(self) -> dict:
         return {}

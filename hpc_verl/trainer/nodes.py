@@ -3,7 +3,7 @@
 Item flow of one step (one item = one batch of prompts x rollout.n)::
 
     actor_rollout ──► reward_score ──┐       split by prompt group over the rollout replicas
-          │  └──────► ref_logprob ───┤       split by rows over the reference ranks (KL only)
+          │  └──────► ref_logprob ───┤       SPMD over the reference ranks (KL only)
           │                          ▼
           ├───────────────► critic (GAE: values, advantages, value update; SPMD)
           │                 or advantage (GRPO: group-normalised advantages)
@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_verl.dataflow.context import TENSORS
+from hpc_verl.dataflow.context import SNAPSHOT, TENSORS
 from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import workers as W
 from hpc_verl.trainer.lm import response_log_probs
 from hpc_verl.trainer.model import quiet_transformers
-from hpc_verl.trainer.rollout import make_rollout_worker
 
 POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
 
@@ -44,6 +43,15 @@ def _sum_counts(*parts: dict | None) -> dict[str, int]:
     return out
 
 
+def make_rollout_worker(cfg: dict) -> Any:
+    """The configured rollout (``rollout.name``); vllm without vLLM or GPUs is one clear error."""
+    if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":
+        from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
+        return VLLMRolloutWorker(cfg)
+    from hpc_verl.trainer.rollout import RolloutWorker
+    return RolloutWorker(cfg)
+
+
 class RolloutNode:
     """A rollout replica: generates for its shard with the latest policy version it holds."""
 
@@ -53,6 +61,13 @@ class RolloutNode:
         self.cfg = cfg
         self.need_log_prob = bool(cfg["algorithm"]["use_kl_in_reward"])
         self.sampler_log_prob_ok = bool(cfg["hpc_verl"]["old_log_prob_from_rollout"])
+        if getattr(self.worker, "model", None) is None:   # vLLM: no model here to recompute with
+            if self.need_log_prob and not getattr(self.worker, "log_probs_exact", False):
+                from hpc_verl.errors import ConfigError
+                raise ConfigError("algorithm.use_kl_in_reward with rollout.name=vllm takes the sampler's log-probs, "
+                                  "which equal the policy's only without top-k/top-p filtering; set "
+                                  "actor_rollout_ref.rollout.top_k=-1 and top_p=1.0")
+            self.sampler_log_prob_ok = True
 
     def process(self, shard: dict) -> dict:
         ctx = _context()
@@ -61,7 +76,6 @@ class RolloutNode:
         merged = dict(shard)
         merged.update(out)
         merged["policy_version"] = self.worker.version
-        merged["context_version"] = int(ctx.versions.get(POLICY_EDGE, self.worker.version))
         rows = len(shard["prompt_ids"])
         merged["replicas"] = [{"replica": ctx.index, "rows": rows, "gen_time_s": out["gen_time_s"][0],
                                "tokens": out["n_response_tokens"][0]}]
@@ -95,13 +109,38 @@ class RewardNode:
         return self.worker.score(batch)
 
 
-class RefNode:
+class _Ulysses:
+    """``set_ulysses`` for HybridScheduler.disable_ulysses: the worker splits sequences again or not
+    from its next step on."""
+
+    worker: Any
+
+    def set_ulysses(self, enabled: bool) -> None:
+        self.worker.set_ulysses(enabled)
+
+    def check_ulysses_off(self) -> str | None:
+        """Why the batches could not be split over all ranks without Ulysses (None: they can)."""
+        import copy
+
+        from hpc_verl.trainer.config import batch_problems_for
+        cfg = copy.deepcopy(self.worker.cfg)
+        cfg["actor_rollout_ref"]["actor"]["fsdp_config"]["ulysses_sequence_parallel_size"] = 1
+        cfg["actor_rollout_ref"]["actor"]["ulysses_sequence_parallel_size"] = 1
+        cfg["critic"]["fsdp"]["ulysses_sequence_parallel_size"] = 1
+        cfg["critic"]["ulysses_sequence_parallel_size"] = 1
+        problems = batch_problems_for(cfg)
+        return problems[0] if problems else None
+
+
+class RefNode(_Ulysses):
+    """One rank of the reference's group (SPMD: every rank gets the batch, computes its rows)."""
+
     def __init__(self, cfg: dict) -> None:
         quiet_transformers()
         self.worker = W.RefWorker(cfg)
 
-    def process(self, shard: dict) -> dict:
-        return self.worker.compute_ref_log_prob(shard)
+    def process(self, batch: dict) -> dict:
+        return self.worker.compute_ref_log_prob(batch)
 
 
 class _AdvantageMixin:
@@ -164,7 +203,7 @@ class AdvantageNode(_AdvantageMixin):
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
 
 
-class CriticNode(_AdvantageMixin):
+class CriticNode(_AdvantageMixin, _Ulysses):
     """GAE, one rank of the critic's group: values (rows split, gathered), advantages and
     returns (the same on every rank), then the data-parallel value update."""
 
@@ -210,7 +249,7 @@ class CriticNode(_AdvantageMixin):
         return _check_world(self.cfg, world)
 
 
-class ActorNode:
+class ActorNode(_Ulysses):
     """One rank of the actor's group: old log-probs, the PPO update, then the new version
     published (TENSORS: the runtime moves the weights to the rollout)."""
 
@@ -218,6 +257,10 @@ class ActorNode:
         quiet_transformers()
         self.worker = W.ActorWorker(cfg, total_steps)
         self.cfg = cfg
+        # one-step-off-policy: each version's weights frozen after its update (rank 0), so the
+        # broadcast of version v can run while version v+1 trains
+        self.overlap = bool(cfg["hpc_verl"]["one_step_off_policy"])
+        self._snapshots: dict[int, list] = {}
 
     def process(self, joined: dict) -> dict:
         batch = dict(joined["actor_rollout"])
@@ -228,7 +271,7 @@ class ActorNode:
         mask = batch["response_mask"]
         own_rows = 0
         if self.cfg["hpc_verl"]["old_log_prob_from_rollout"] and "rollout_log_prob" in batch:
-            # same weights (the version check guarantees it), same float32 maths: skip the extra forward
+            # the sampler's log-probs (the behaviour policy's, checked by version): skip the extra forward
             batch["old_log_prob"] = batch["rollout_log_prob"]
         else:
             lp, _ = self.worker.compute_log_prob(batch)
@@ -238,7 +281,11 @@ class ActorNode:
         step = int(batch.get("step", 0))
         if step > int(self.cfg["trainer"]["critic_warmup"]):
             update = self.worker.update_policy(batch, step=step)
-            _context().emit_control(TENSORS, self.worker.version)
+            if self.overlap:
+                self._freeze(self.worker.version)
+                _context().emit_control(SNAPSHOT, self.worker.version)
+            else:
+                _context().emit_control(TENSORS, self.worker.version)
         else:  # trainer.critic_warmup: the critic learns first, the policy (and its version) stays
             update = {"counts": {}, "actor/policy_version": self.worker.version}
         counts = _sum_counts(update.pop("counts"), {"fwd_rows": own_rows}, adv_src.get("counts"),
@@ -258,6 +305,7 @@ class ActorNode:
             "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
             "rollout/policy_version": int(batch["policy_version"]),
             "n_responses": int(mask.shape[0]), "n_response_tokens": int(mask.sum()),
+            "n_total_tokens": int(batch["attention_mask"].sum()),   # prompt + response (verl's global_token_num)
             "timing_s/gen": float(max(batch.get("gen_time_s", [0.0]))),
             "rollout/replicas": len(batch.get("replicas", [])),
             "perf/fwd_rows": counts.get("fwd_rows", 0), "perf/bwd_rows": counts.get("bwd_rows", 0),
@@ -267,6 +315,19 @@ class ActorNode:
 
     def export_tensors(self, data_type: str) -> Any:
         return self.worker.export_tensors()
+
+    def _freeze(self, version: int) -> None:
+        """A copy of this version's full weights (every rank takes part in the gathers; rank 0 keeps
+        it); the versions two behind are dropped (at most one transfer is in flight)."""
+        keep = _context().rank == 0
+        frozen = [(n, t.detach().to("cpu", copy=True)) for n, t in self.worker.export_tensors() if keep]
+        if keep:
+            self._snapshots[version] = frozen
+        for old in [v for v in self._snapshots if v < version - 1]:
+            del self._snapshots[old]
+
+    def export_snapshot(self, data_type: str, version: int) -> Any:
+        return iter(self._snapshots.get(version, []))
 
     def get_version(self) -> int:
         return self.worker.version

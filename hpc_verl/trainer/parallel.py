@@ -15,14 +15,20 @@ from typing import Any, Iterator
 STRATEGIES = ("ddp", "fsdp", "fsdp2")   # fsdp is FSDP2 (fully_shard) here
 
 
+_SP_GROUPS: dict[tuple[int, int], list[Any]] = {}
+
+
 @dataclass
 class Parallel:
-    """A role's place in its worker group."""
+    """A role's place in its worker group: ``world`` ranks = ``world / sp`` data-parallel ranks x
+    ``sp`` Ulysses sequence-parallel ranks (consecutive ranks share one sample stream)."""
 
     rank: int = 0
     world: int = 1
     group: Any = None          # torch.distributed group (None: single process)
     device: str = "cpu"
+    sp: int = 1
+    sp_group: Any = None       # this rank's sequence-parallel group (None: sp == 1)
 
     @classmethod
     def current(cls, device: str) -> "Parallel":
@@ -34,18 +40,44 @@ class Parallel:
             return cls(device=device)
         return cls(ctx.rank, ctx.world_size, ctx.process_group, device)
 
+    def with_sp(self, sp: int) -> "Parallel":
+        """The same rank seen with ``sp``-way sequence parallelism (its SP group made on first use:
+        every rank of the group asks in the same order, as torch.distributed.new_group needs)."""
+        if sp <= 1:
+            return Parallel(self.rank, self.world, self.group, self.device)
+        if self.world % sp:
+            from hpc_verl.errors import HpcVerlError
+            raise HpcVerlError(f"ulysses_sequence_parallel_size={sp} does not divide the {self.world} ranks")
+        key = (self.world, sp)
+        if key not in _SP_GROUPS:
+            import torch.distributed as dist
+            _SP_GROUPS[key] = [dist.new_group(list(range(s, s + sp))) for s in range(0, self.world, sp)]
+        return Parallel(self.rank, self.world, self.group, self.device, sp, _SP_GROUPS[key][self.rank // sp])
+
     @property
     def distributed(self) -> bool:
         return self.group is not None and self.world > 1
 
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp
+
+    @property
+    def dp_world(self) -> int:
+        return self.world // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp
+
     def rows(self, n: int) -> tuple[int, int]:
-        """This rank's contiguous share of ``n`` rows (``n`` divisible by the world size)."""
-        if n % self.world:
+        """This data-parallel rank's contiguous share of ``n`` rows (``n`` divisible by them)."""
+        if n % self.dp_world:
             from hpc_verl.errors import HpcVerlError
-            raise HpcVerlError(f"{n} rows do not split evenly over {self.world} data-parallel ranks; make the "
-                               f"batch (data.train_batch_size x rollout.n) a multiple of {self.world}")
-        per = n // self.world
-        return self.rank * per, (self.rank + 1) * per
+            raise HpcVerlError(f"{n} rows do not split evenly over {self.dp_world} data-parallel ranks; make the "
+                               f"batch (data.train_batch_size x rollout.n) a multiple of {self.dp_world}")
+        per = n // self.dp_world
+        return self.dp_rank * per, (self.dp_rank + 1) * per
 
     def all_reduce_sum(self, tensor: Any) -> Any:
         if self.distributed:
@@ -54,7 +86,8 @@ class Parallel:
         return tensor
 
     def all_gather_rows(self, tensor: Any) -> Any:
-        """Every rank's equal-sized rows, concatenated in rank order (on the caller's device)."""
+        """Every data-parallel rank's equal-sized rows, concatenated in order (the SP ranks of a
+        group hold the same rows: one of them counts)."""
         if not self.distributed:
             return tensor
         import torch
@@ -63,7 +96,7 @@ class Parallel:
         local = tensor.to(dev).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=0).to(tensor.device)
+        return torch.cat(parts[::self.sp], dim=0).to(tensor.device)
 
     def barrier(self) -> None:
         if self.distributed:

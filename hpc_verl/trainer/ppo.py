@@ -14,7 +14,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Iterator, Mapping, Protocol
 
 from hpc_verl.errors import ConfigError, HpcVerlError
 from hpc_verl.trainer.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, PreemptionFlag, clean_leftovers,
@@ -25,6 +25,10 @@ from hpc_verl.trainer.metrics import MetricsLog, StepProgress, summary_table
 
 log = logging.getLogger("hpc_verl.trainer")
 
+class StepError(HpcVerlError):
+    """A step broke an invariant of the run (a policy version out of order)."""
+
+
 CHECKPOINT_FORMAT = 2   # sharded actor/critic directories (1: whole-model actor.pt, before worker groups)
 
 
@@ -34,6 +38,8 @@ class Runner(Protocol):
     def start(self, cfg: Mapping, total_steps: int) -> None: ...
 
     def run_step(self, batch: dict) -> dict: ...
+
+    def stream(self, produce: Any, depth: int) -> Iterator[dict]: ...
 
     def call(self, node: str, method: str, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -72,7 +78,9 @@ class PPOTrainer:
         t = cfg.trainer
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
         self.n = cfg.actor_rollout_ref.rollout.n
-        self.n_devices = max(1, topology(cfg).groups[topology(cfg).role_group["actor"]].world_size)
+        self.overlap = bool(cfg.hpc_verl.one_step_off_policy)
+        # every device of the job (verl's perf/throughput divides by them): CPU ranks on trainer.device=cpu
+        self.n_devices = max(1, cfg.trainer.nnodes * max(1, cfg.trainer.n_gpus_per_node))
         self.step = 0
         self.version = 0
         random.seed(t.seed)
@@ -131,7 +139,9 @@ class PPOTrainer:
         if "adv" in parts:
             self.runner.call(self.adv_node, "load_state_dict", parts["adv"])
         version = self.runner.call("actor_update", "get_version")
-        assert version == self.version, (version, self.version)
+        if version != self.version:
+            raise CheckpointError(f"checkpoint {path}: the actor's state is policy version {version} but the "
+                                  f"trainer state says {self.version}; the checkpoint is inconsistent")
         if self.version > 0:
             self.runner.publish_policy(self.version)
         self.resumed_from = path
@@ -167,34 +177,79 @@ class PPOTrainer:
         return self.last_checkpoint
 
     # ------------------------------------------------------------------ one step
-    def _make_batch(self) -> dict:
+    def _make_batch(self, step: int) -> dict:
+        """The prompts of ``step`` (drawn in step order, so the data position is the step's)."""
         idx = self.sampler.next_batch()
         samples = [self.dataset.samples[i] for i in idx for _ in range(self.n)]
         return {"prompt_ids": [s.prompt_ids for s in samples], "data_source": [s.data_source for s in samples],
                 "prompt_width": max(len(s.prompt_ids) for s in samples),
                 "ground_truth": [s.ground_truth for s in samples], "extra_info": [s.extra_info for s in samples],
                 "uid": [f"{self.sampler.epoch}:{s.index}" for s in samples], "sample_index": idx,
-                "required_version": self.version, "step": self.step + 1}
+                "required_version": self.version, "step": step, "epoch": self.sampler.epoch}
 
     def train_step(self) -> dict:
         t0 = time.perf_counter()
-        batch = self._make_batch()
-        m = dict(self.runner.run_step(batch))
+        batch = self._make_batch(self.step + 1)
+        return self._finish(dict(self.runner.run_step(batch)), batch, t0)
+
+    def _finish(self, m: dict, batch: dict, t0: float) -> dict:
+        """A step's bookkeeping: the policy-version checks, the counters, the metrics."""
         used = m.get("rollout/policy_version")
-        if used != self.version:
-            raise RuntimeError(f"step {self.step + 1}: rollout used policy version {used}, expected {self.version}")
+        after = int(m.get("actor/policy_version", self.version))
+        trained_at = after - 1 if "actor/pg_loss" in m else after   # (trainer.critic_warmup: no update)
+        if used != batch["required_version"]:
+            raise StepError(f"step {batch['step']}: rollout used policy version {used}, expected "
+                            f"{batch['required_version']}")
+        staleness = trained_at - int(used)
+        if staleness > (1 if self.overlap else 0):
+            raise StepError(f"step {batch['step']}: trained on samples of policy version {used} at version "
+                               f"{trained_at} ({staleness} behind; the bound is {1 if self.overlap else 0})")
         self.version = int(m.get("actor/policy_version", self.version))
         self.step += 1
         dt = time.perf_counter() - t0
         tokens = m.get("n_response_tokens", 0)
-        m.update({"step": self.step, "epoch": self.sampler.epoch, "training/global_step": self.step,
-                  "training/epoch": self.sampler.epoch, "run/start_step": self.start_step,
-                  "policy_version": self.version, "data/first_index": batch["sample_index"][0], "timing_s/step": dt,
-                  "perf/time_per_step": dt, "perf/total_num_tokens": tokens,
-                  "perf/throughput": tokens / dt / self.n_devices,   # verl: tokens/s per device
+        total = m.get("n_total_tokens", tokens)
+        m.update({"step": self.step, "epoch": batch["epoch"], "training/global_step": self.step,
+                  "training/epoch": batch["epoch"], "run/start_step": self.start_step,
+                  "policy_version": self.version, "rollout/staleness": staleness,
+                  "data/first_index": batch["sample_index"][0], "timing_s/step": dt,
+                  "perf/time_per_step": dt, "perf/total_num_tokens": total,   # verl: prompt + response tokens
+                  "perf/throughput": total / dt / self.n_devices,   # verl: those per second per device
                   "perf/samples_per_s": m.get("n_responses", 0) / dt, "perf/tokens_per_s": tokens / dt})
         m.update(self._dataflow_metrics())
         return m
+
+    def _steps(self) -> Iterator[dict]:
+        """The run's steps as they finish, until done or preempted. One-step-off-policy mode
+        (``hpc_verl.one_step_off_policy``) keeps two steps in flight: the rollout of step k+1 runs
+        while step k trains, on weights one version behind. Nothing is in flight at a checkpoint
+        step (the stream drains there) nor after a preemption request (no new step starts)."""
+        if not self.overlap:
+            while self.step < self.total_steps and not self.preempt.requested:
+                yield self.train_step()
+            return
+        while self.step < self.total_steps and not self.preempt.requested:
+            end = self._segment_end()
+            queue: list[tuple[dict, float]] = []
+
+            def produce() -> dict | None:
+                nxt = self.step + len(queue) + 1
+                if self.preempt.requested or nxt > end:
+                    return None
+                batch = self._make_batch(nxt)
+                queue.append((batch, time.perf_counter()))
+                return batch
+
+            for out in self.runner.stream(produce, depth=2):
+                batch, t0 = queue.pop(0)
+                yield self._finish(dict(out), batch, t0)
+
+    def _segment_end(self) -> int:
+        """The next step that checkpoints (or the last)."""
+        freq = self.cfg.trainer.save_freq
+        if freq and freq > 0:
+            return min(self.total_steps, (self.step // freq + 1) * freq)
+        return self.total_steps
 
     def _dataflow_metrics(self) -> dict:
         """The runtime's own figures under dataflow/: edge latency p95, queue peaks, decisions."""
@@ -237,20 +292,19 @@ class PPOTrainer:
                                 progress_bar=self.progress_enabled)
             progress = StepProgress(self.total_steps, self.step, self.progress_enabled)
             save_freq = self.cfg.trainer.save_freq
-            while self.step < self.total_steps:
-                m = self.train_step()
+            for m in self._steps():
                 metrics_log.write(m)
                 tracking.log(m, self.step)
                 self.history.append(m)
                 progress.update(self.step, m)
                 if save_freq and save_freq > 0 and self.step % save_freq == 0:
                     self.save()
-                if self.preempt.requested:
-                    if not self._saved_now():
-                        self.save()
-                    log.warning("preemption signal: checkpointed step %d, exiting with %d (requeue)",
-                                self.step, REQUEUE_EXIT_CODE)
-                    return REQUEUE_EXIT_CODE
+            if self.preempt.requested and self.step < self.total_steps:
+                if not self._saved_now():
+                    self.save()
+                log.warning("preemption signal: checkpointed step %d, exiting with %d (requeue)",
+                            self.step, REQUEUE_EXIT_CODE)
+                return REQUEUE_EXIT_CODE
             if not self._saved_now():
                 self.save()
             progress.close()

@@ -49,8 +49,20 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("actor_rollout_ref.model.use_remove_padding", lambda v, c: bool(v),
             "padding-free (remove_padding) kernels are not implemented; the trainer runs padded batches "
             "(leave it false)"),
-    Refusal("actor_rollout_ref.actor.ulysses_sequence_parallel_size", lambda v, c: v != 1,
-            "Ulysses sequence parallelism is not implemented yet; only 1 is supported"),
+    Refusal("actor_rollout_ref.actor.fsdp_config.param_offload",
+            lambda v, c: bool(v) and c["actor_rollout_ref"]["actor"]["strategy"] == "ddp",
+            "parameter offload is FSDP2's (CPUOffloadPolicy); with actor.strategy=ddp every rank holds the "
+            "whole model on its device: use strategy=fsdp, or leave it false"),
+    Refusal("actor_rollout_ref.ref.fsdp_config.param_offload",
+            lambda v, c: bool(v) and c["actor_rollout_ref"]["actor"]["strategy"] == "ddp",
+            "the reference is sharded (and offloaded) only when the actor uses strategy=fsdp"),
+    Refusal("critic.fsdp.param_offload", lambda v, c: bool(v) and c["critic"]["strategy"] == "ddp",
+            "parameter offload is FSDP2's; with critic.strategy=ddp use strategy=fsdp, or leave it false"),
+    Refusal("critic.enable", lambda v, c: v is True and c["algorithm"]["adv_estimator"] == "grpo",
+            "the built-in trainer uses a critic for GAE only (algorithm.adv_estimator=gae); GRPO has none"),
+    Refusal("hpc_verl.one_step_off_policy", lambda v, c: bool(v) and _rollout_shares_actor(c),
+            "the rollout of step k+1 can only run while step k trains when the rollout has its own devices "
+            "(processes); give it some with hpc_verl.device_mapping, e.g. {actor: [0,1], rollout: [2,3]}"),
     Refusal("actor_rollout_ref.rollout.mode", lambda v, c: v != "sync",
             "only the synchronous rollout (sync) is implemented; async rollout is not"),
     _vllm_only("gpu_memory_utilization", 0.5),
@@ -66,6 +78,12 @@ REFUSALS: tuple[Refusal, ...] = (
             "actor and critic are saved in one global_step_N checkpoint, rotated by "
             "trainer.max_actor_ckpt_to_keep; leave it null or equal"),
 )
+
+
+def _rollout_shares_actor(cfg: Mapping) -> bool:
+    from hpc_verl.trainer.topology import topology
+    topo = topology(cfg)
+    return topo.role_group.get("rollout") == topo.role_group.get("actor")
 
 
 def refuse_unsupported(cfg: Mapping) -> None:
@@ -88,6 +106,39 @@ MICRO_BATCH_KEYS = (
 )
 
 
+# (deprecated key, verl 0.9's key) of the Ulysses sequence-parallel sizes
+SP_KEYS = (("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+            "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"),
+           ("critic.ulysses_sequence_parallel_size", "critic.fsdp.ulysses_sequence_parallel_size"))
+REF_SP_KEY = "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size"
+
+
+_SP_OF = {"actor": SP_KEYS[0][1], "critic": SP_KEYS[1][1], "ref": REF_SP_KEY}
+
+
+def derive_sequence_parallel(cfg: dict) -> None:
+    """verl 0.9 moved ``<role>.ulysses_sequence_parallel_size`` into the FSDP settings: the old key
+    still works (with a warning); both keys end up holding the size in effect (the batch rules
+    read the old one); the reference follows the actor unless set."""
+    import warnings
+
+    for old, new in SP_KEYS:
+        old_v, new_v = get_path(cfg, old), get_path(cfg, new)
+        if old_v != 1 and new_v not in (1, old_v):
+            raise ConfigError(f"config keys '{old}'={old_v} and '{new}'={new_v} disagree; set only '{new}' "
+                              f"(the first is deprecated)")
+        if old_v != 1 and new_v == 1:
+            warnings.warn(f"config key '{old}' is deprecated (verl 0.9); use '{new}'={old_v}", UserWarning,
+                          stacklevel=2)
+            new_v = old_v
+        for key in (old, new):
+            parent, leaf = key.rsplit(".", 1)
+            get_path(cfg, parent)[leaf] = new_v
+    if get_path(cfg, REF_SP_KEY) is None:
+        parent, leaf = REF_SP_KEY.rsplit(".", 1)
+        get_path(cfg, parent)[leaf] = get_path(cfg, SP_KEYS[0][1])
+
+
 def derive_micro_batches(cfg: dict) -> None:
     """verl's deprecated global micro-batch keys -> per rank (divided by the role's group size)."""
     from hpc_verl.trainer.topology import topology
@@ -98,7 +149,8 @@ def derive_micro_batches(cfg: dict) -> None:
         if g is None or get_path(cfg, rank_key) is not None:
             continue
         spec = topo.group_of(role)
-        world = spec.world_size if spec else 1
+        sp = int(get_path(cfg, _SP_OF.get(role, SP_KEYS[0][1])) or 1)
+        world = max(1, (spec.world_size if spec else 1) // sp)   # data-parallel ranks (verl divides by them)
         if g % world:
             raise ConfigError(f"config key '{global_key}'={g} must be a multiple of the {world} rank(s) of the "
                               f"{role}; or set {rank_key} instead")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer import algorithms as A
+from hpc_verl.trainer import ulysses
 from hpc_verl.trainer.lm import (chunks, load_causal_lm, pick_device, response_log_probs, setup_threads,
                                  sub_batch, torch_mod)
 from hpc_verl.trainer.parallel import (Parallel, TrainModel, full_tensors, load_sharded, offload_optimizer,
@@ -32,7 +33,65 @@ def _counts(par: Parallel, fwd: int = 0, bwd: int = 0, steps: int = 0) -> dict[s
     return {"fwd_rows": int(t[0]), "bwd_rows": int(t[1]), "optim_steps": int(steps)}
 
 
-class _Trainable:
+class _SequenceParallel:
+    """A role's Ulysses sequence parallelism: ``sp`` consecutive ranks of the group split each
+    sequence (configured size), switched off by ``set_ulysses(False)`` from the next step on
+    (``HybridScheduler.disable_ulysses``); the forward passes below take the current size."""
+
+    par: Parallel
+    device: str
+    sp_configured: int = 1
+    sp_on: bool = True
+
+    def _init_sp(self, module: Any, sp: int) -> None:
+        self.sp_configured = int(sp or 1)
+        self.sp_on = True
+        if self.sp_configured > 1:
+            view = self.par.with_sp(self.sp_configured)   # the SP groups, made by every rank at start-up
+            ulysses.enable(module, view.sp_group)
+
+    @property
+    def sp(self) -> int:
+        return self.sp_configured if self.sp_on else 1
+
+    def view(self) -> Parallel:
+        """This rank as the current step sees it (data-parallel x sequence-parallel)."""
+        return self.par.with_sp(self.sp)
+
+    def set_ulysses(self, enabled: bool) -> None:
+        if self.sp_configured <= 1:
+            return
+        self.sp_on = bool(enabled)
+        ulysses.set_group(self._sp_module(), self.view().sp_group)
+
+    def _sp_module(self) -> Any:
+        raise NotImplementedError
+
+    def _log_probs(self, model: Any, mb: dict, temperature: float, with_entropy: bool = False) -> Any:
+        view = self.view()
+        if view.sp > 1:
+            return ulysses.response_log_probs(model, mb, temperature, with_entropy=with_entropy,
+                                              group=view.sp_group, device=self.device)
+        return response_log_probs(model, mb, temperature, with_entropy=with_entropy, device=self.device)
+
+    def _forward_rows(self, batch: dict, micro: int | None, fn: Callable[[dict], Any],
+                      eval_module: Any = None) -> tuple[Any, int]:
+        """``fn`` (no grad) on this data-parallel rank's rows in micro-batches, then every
+        data-parallel rank's rows in order; returns (rows, this rank's row count)."""
+        torch = torch_mod()
+        view = self.view()
+        start, stop = view.rows(batch["responses"].shape[0])
+        mine = sub_batch(batch, slice(start, stop))
+        if eval_module is not None:
+            eval_module.eval()
+        outs = []
+        with torch.no_grad():
+            for sl in chunks(stop - start, micro):
+                outs.append(fn(sub_batch(mine, sl)).float())
+        return view.all_gather_rows(torch.cat(outs)).cpu(), (stop - start if view.sp_rank == 0 else 0)
+
+
+class _Trainable(_SequenceParallel):
     """Model, optimiser and schedule of a role that trains (actor, critic), and the one PPO
     update loop they share."""
 
@@ -44,7 +103,9 @@ class _Trainable:
         torch = torch_mod()
         self.model = TrainModel(module, strategy, self.par, param_offload=bool(fsdp_cfg.get("param_offload")),
                                 reshard_after_forward=bool(fsdp_cfg.get("reshard_after_forward", True)))
-        self.optimizer_offload = bool(fsdp_cfg.get("optimizer_offload")) and self.device == "cuda"
+        # with param_offload the parameters, so the optimizer state too, already live on the CPU
+        self.optimizer_offload = (bool(fsdp_cfg.get("optimizer_offload")) and self.device == "cuda"
+                                  and not fsdp_cfg.get("param_offload"))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim_cfg["lr"],
                                            betas=tuple(optim_cfg["betas"]), weight_decay=optim_cfg["weight_decay"])
         warmup = optim_cfg["lr_warmup_steps"]
@@ -63,14 +124,14 @@ class _Trainable:
         ``loss_fn(micro_batch, denom, token_denom) -> (loss, [stats...])`` returns this
         part's share (see ``algorithms.agg_loss``)."""
         torch = torch_mod()
-        par = self.par
+        par = self.view()
         n_rows = batch["responses"].shape[0]
         mini_rows = min(mini_rows, n_rows)
-        if mini_rows % par.world:
+        if mini_rows % par.dp_world:
             raise HpcVerlError(f"{prefix}: a mini-batch of {mini_rows} responses does not split over "
-                               f"{par.world} data-parallel ranks; make ppo_mini_batch_size x rollout.n a "
-                               f"multiple of {par.world}")
-        per_rank = mini_rows // par.world
+                               f"{par.dp_world} data-parallel ranks; make ppo_mini_batch_size x rollout.n a "
+                               f"multiple of {par.dp_world}")
+        per_rank = mini_rows // par.dp_world
         micro = micro or per_rank
         self.model.train()
         if self.optimizer_offload:
@@ -85,17 +146,19 @@ class _Trainable:
                 mask = batch["response_mask"][idx]
                 denom = A.loss_denominator(mask, agg_mode)
                 token_denom = A.loss_denominator(mask, "token-mean")
-                local = idx[par.rank * per_rank:(par.rank + 1) * per_rank]
+                local = idx[par.dp_rank * per_rank:(par.dp_rank + 1) * per_rank]
                 parts = list(chunks(len(local), micro))
                 acc = torch.zeros(len(names), dtype=torch.float64)
                 for j, sl in enumerate(parts):
                     mb = sub_batch(batch, local[sl])
                     with self.model.grad_sync(j == len(parts) - 1):
                         loss, stats = loss_fn(mb, denom, token_denom)
+                        # DDP/FSDP average over all world ranks; the SP ranks of a group each hold their
+                        # share of one loss's gradient (ulysses.gather_seq), so x world is the sum
                         (loss * par.world).backward()
                     acc += torch.tensor([float(s) for s in stats], dtype=torch.float64)
-                    fwd += len(local[sl])
-                sums.append(par.all_reduce_sum(acc).tolist())
+                    fwd += len(local[sl]) if par.sp_rank == 0 else 0
+                sums.append((par.all_reduce_sum(acc) / par.sp).tolist())   # the SP ranks computed the same
                 norm, ok = self._step(grad_clip)
                 norms.append(norm)
                 skipped += 0 if ok else 1
@@ -105,6 +168,7 @@ class _Trainable:
         out = {f"{prefix}/{name}": sum(s[i] for s in sums) / len(sums) for i, name in enumerate(names)}
         out[f"{prefix}/grad_norm"] = sum(norms) / len(norms)
         out[f"{prefix}/lr"] = self.scheduler.get_last_lr()[0]
+        out[f"{prefix}/ulysses_sp"] = par.sp
         out["counts"] = _counts(par, fwd, fwd, len(norms))
         if prefix == "actor":
             out["actor/skipped_steps"] = float(skipped)
@@ -121,18 +185,6 @@ class _Trainable:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm), ok
-
-    def _forward_rows(self, batch: dict, micro: int | None, fn: Callable[[dict], Any]) -> tuple[Any, int]:
-        """``fn`` (no grad) on this rank's rows in micro-batches, then every rank's rows in order."""
-        torch = torch_mod()
-        start, stop = self.par.rows(batch["responses"].shape[0])
-        mine = sub_batch(batch, slice(start, stop))
-        self.model.eval()
-        outs = []
-        with torch.no_grad():
-            for sl in chunks(stop - start, micro):
-                outs.append(fn(sub_batch(mine, sl)).float())
-        return self.par.all_gather_rows(torch.cat(outs)).cpu(), stop - start
 
     # ---- checkpoints -------------------------------------------------------------------
     def _extra_state(self) -> dict:
@@ -151,6 +203,9 @@ class _Trainable:
     def export_tensors(self) -> Any:
         """Full parameters, gathered one at a time (collective under FSDP)."""
         return full_tensors(self.model.module)
+
+    def _sp_module(self) -> Any:
+        return self.model.module
 
     def weights_digest(self) -> str | None:
         """SHA-256 of this rank's replicated parameters (DDP), to prove ranks have not drifted;
@@ -181,6 +236,7 @@ class ActorWorker(_Trainable):
         module = load_causal_lm(mcfg["path"], self.device, "float32", mcfg["trust_remote_code"])
         if mcfg["enable_gradient_checkpointing"]:
             module.gradient_checkpointing_enable()
+        self._init_sp(module, self.acfg["fsdp_config"]["ulysses_sequence_parallel_size"])
         self._init_training(module, self.acfg["strategy"], self.acfg["fsdp_config"], self.acfg["optim"],
                             total_steps)
         self.version = 0
@@ -190,8 +246,8 @@ class ActorWorker(_Trainable):
 
     def compute_log_prob(self, batch: dict) -> tuple[dict, int]:
         micro = self.cfg["actor_rollout_ref"]["rollout"]["log_prob_micro_batch_size_per_gpu"]
-        lp, rows = self._forward_rows(batch, micro, lambda mb: response_log_probs(
-            self.model, mb, self.temperature, device=self.device))
+        lp, rows = self._forward_rows(batch, micro, lambda mb: self._log_probs(self.model, mb, self.temperature),
+                                      self.model)
         return {"old_log_prob": lp}, rows
 
     def update_policy(self, batch: dict, step: int = 0) -> dict:
@@ -204,7 +260,7 @@ class ActorWorker(_Trainable):
 
         def loss_fn(m: dict, denom: float, token_denom: float) -> tuple[Any, list[Any]]:
             mask = m["response_mask"].to(dev)
-            logp, ent = response_log_probs(self.model, m, self.temperature, with_entropy=True, device=dev)
+            logp, ent = self._log_probs(self.model, m, self.temperature, with_entropy=True)
             pl = A.policy_loss(m["old_log_prob"].to(dev), logp, m["advantages"].to(dev), mask,
                                a["clip_ratio_low"], a["clip_ratio_high"], a["clip_ratio_c"], a["loss_agg_mode"],
                                denom=denom, token_denom=token_denom)
@@ -257,18 +313,24 @@ class CriticWorker(_Trainable):
         mcfg.classifier_dropout = 0.0
         module = AutoModelForTokenClassification.from_pretrained(path, config=mcfg, local_files_only=True,
                                                                  trust_remote_code=trust).to(self.device)
+        self._init_sp(module, self.ccfg["fsdp"]["ulysses_sequence_parallel_size"])
         self._init_training(module, self.ccfg["strategy"], self.ccfg["fsdp"], self.ccfg["optim"], total_steps)
         self.n = int(cfg["actor_rollout_ref"]["rollout"]["n"])
 
     def _values(self, batch: dict) -> Any:
         dev = self.device
-        out = self.model(input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev),
-                         position_ids=batch["position_ids"].to(dev))
+        view = self.view()
+        ids, attn, pos = (batch[k].to(dev) for k in ("input_ids", "attention_mask", "position_ids"))
+        if view.sp > 1:
+            out, sb = ulysses.forward(self.model, ids, attn, pos, view.sp_group)
+            logits = sb.gather(out.logits)
+        else:
+            logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
         rlen = batch["responses"].shape[1]
-        return out.logits[:, -rlen - 1:-1, 0].float() * batch["response_mask"].to(dev)
+        return logits[:, -rlen - 1:-1, 0].float() * batch["response_mask"].to(dev)
 
     def compute_values(self, batch: dict) -> tuple[dict, int]:
-        values, rows = self._forward_rows(batch, self.ccfg["ppo_micro_batch_size_per_gpu"], self._values)
+        values, rows = self._forward_rows(batch, self.ccfg["ppo_micro_batch_size_per_gpu"], self._values, self.model)
         return {"values": values}, rows
 
     def update_critic(self, batch: dict) -> dict:
@@ -286,8 +348,9 @@ class CriticWorker(_Trainable):
                              ["vf_loss", "vf_clipfrac"], "critic")
 
 
-class RefWorker:
-    """A frozen copy of the initial policy, for the KL term (sharded like the actor under FSDP)."""
+class RefWorker(_SequenceParallel):
+    """A frozen copy of the initial policy, for the KL term: one rank of its group (sharded like
+    the actor under FSDP, sequence-parallel like the ref's fsdp_config says)."""
 
     def __init__(self, cfg: dict) -> None:
         setup_threads(cfg)
@@ -299,23 +362,23 @@ class RefWorker:
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
+        fc = cfg["actor_rollout_ref"]["ref"]["fsdp_config"]
+        self._init_sp(self.model, fc["ulysses_sequence_parallel_size"])
         if cfg["actor_rollout_ref"]["actor"]["strategy"] in ("fsdp", "fsdp2") and self.par.group is not None:
-            fc = cfg["actor_rollout_ref"]["ref"]["fsdp_config"]
             shard_model(self.model, self.par, param_offload=bool(fc["param_offload"]),
                         reshard_after_forward=bool(fc["reshard_after_forward"]),
                         mixed_precision=self.device == "cuda")
         self.temperature = float(cfg["actor_rollout_ref"]["rollout"]["temperature"])
 
+    def _sp_module(self) -> Any:
+        return self.model
+
     def compute_ref_log_prob(self, batch: dict) -> dict:
-        """Log-probs of this shard's rows (the runtime splits the batch over the ranks)."""
-        torch = torch_mod()
+        """Log-probs of the whole batch: this data-parallel rank's rows, gathered (SPMD)."""
         micro = self.cfg["actor_rollout_ref"]["ref"]["log_prob_micro_batch_size_per_gpu"]
-        outs = []
-        with torch.no_grad():
-            for sl in chunks(batch["responses"].shape[0], micro):
-                outs.append(response_log_probs(self.model, sub_batch(batch, sl), self.temperature,
-                                               device=self.device).float().cpu())
-        return {"ref_log_prob": torch.cat(outs), "counts": {"fwd_rows": [int(batch["responses"].shape[0])]}}
+        lp, rows = self._forward_rows(batch, micro, lambda mb: self._log_probs(self.model, mb, self.temperature))
+        counts = _counts(self.par, rows, 0, 0)
+        return {"ref_log_prob": lp, "counts": {"fwd_rows": counts["fwd_rows"]}}
 
 
 class RewardWorker:
