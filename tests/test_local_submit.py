@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpc_verl.launch.backends import local
+from hpc_verl.launch.backends import local, supervisor
 from hpc_verl.launch.spec.jobconfig import job_from_dict, load_job_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,11 +38,12 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def home(tmp_path):
-    """A private registry; whatever a test leaves running is killed (by its job marker), even on failure."""
+    """A private registry; whatever a test leaves running is killed (by its job marker), even on failure.
+    (tests/test_faults.py checks by process group and session that nothing at all is left.)"""
     h = tmp_path / "home"
     yield {"HPC_VERL_HOME": str(h)}
     for d in (h / "jobs").glob("*") if (h / "jobs").exists() else []:
-        for pid in local.job_pids(str(d)):
+        for pid in supervisor.marked_pids(str(d)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -76,7 +77,8 @@ def test_submit_local_end_to_end(cli, tmp_path, tiny_model, home):
     jobs = list((Path(home["HPC_VERL_HOME"]) / "jobs").iterdir())
     assert len(jobs) == 1
     rec = json.loads((jobs[0] / "job.json").read_text())
-    assert rec["scheduler"] == "local" and rec["exit_code"] == 0 and rec["pid"] == rec["job_id"]
+    assert rec["scheduler"] == "local" and rec["exit_code"] == 0 and rec["pid"] and rec["supervisor_pid"]
+    assert Path(rec["run_dir"]).name == f"local-demo-{rec['job_id']}"   # fixed at submission: a rerun continues there
     run_dir = Path(rec["run_dir"])
     assert f"run directory: {run_dir}" in res.stdout
     # results: metrics with rising step numbers, a PNG, a checkpoint
@@ -95,7 +97,7 @@ def test_submit_local_end_to_end(cli, tmp_path, tiny_model, home):
     d = json.loads(st.stdout)
     assert d["state"] == "COMPLETED" and d["exit_code"] == "0"
     assert {"preprocess", "model-check", "train"} <= set(d["stages_done"])
-    assert local.job_pids(str(jobs[0])) == []  # Ray and the trainer are gone when submit returns
+    assert supervisor.marked_pids(str(jobs[0])) == []  # Ray and the trainer are gone when submit returns
     assert "COMPLETED" in cli("list", env=home).stdout
     # the last steps as a table, under verl's metric names
     table = cli("logs", str(rec["job_id"]), "--metrics", "3", env=home)
@@ -144,12 +146,12 @@ def test_detach_then_cancel_leaves_nothing_running(cli, tmp_path, tiny_model, ho
         assert json.loads(cli("status", job_id, "--json", env=home).stdout)["state"] == "RUNNING"
         time.sleep(1)
     assert (run_dir / "checkpoints" / "metrics.jsonl").exists(), "training did not start"
-    assert local.job_pids(str(job_dir))  # Ray and the trainer are running
+    assert supervisor.marked_pids(str(job_dir))  # Ray and the trainer are running
     logs = cli("logs", job_id, env=home)
     assert "stage train: start" in logs.stdout
     out = cli("cancel", job_id, env=home, timeout=120)
     assert out.returncode == 0 and f"cancelled job {job_id}" in out.stdout, out.stderr
-    assert local.job_pids(str(job_dir)) == []
+    assert supervisor.marked_pids(str(job_dir)) == []
     d = json.loads(cli("status", job_id, "--json", env=home).stdout)
     assert d["state"] == "CANCELLED" and d["exit_code"] not in ("", "0")
     assert "cleanup" in cli("logs", job_id, "--follow", env=home, timeout=30).stdout  # --follow ends: job over

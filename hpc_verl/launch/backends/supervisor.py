@@ -92,6 +92,19 @@ def marked_pids(job_dir: str) -> list[int]:
     return out
 
 
+def end_marked(job_dir: str, grace_s: float = 3.0) -> list[int]:
+    """TERM, then KILL, the live processes outside our tree that carry the job's marker (an attached
+    shell inherits it from the job's attach.sh); returns their pids."""
+    pids = marked_pids(job_dir)
+    if pids:
+        procs.stop_and_wait(pids, grace_s)
+        for pid in pids:
+            if procs.alive(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+    return pids
+
+
 # ---------------------------------------------------------------------------- the supervisor
 class Supervisor:
     """Runs the script of one job and owns everything it starts (see the module docstring)."""
@@ -132,6 +145,7 @@ class Supervisor:
         if rc < 0:                      # killed by a signal: the shell's convention, 128 + signal number
             rc = 128 - rc
         left = procs.reap_tree(os.getpid(), wait_s=REAP_WAIT_S, grace_s=REAP_GRACE_S)
+        left += end_marked(self.job_dir)   # outside the tree: a shell of `hpc-verl attach JOB`
         removed = remove_ray_temp_dirs(self.job_dir)
         note = []
         if left:
