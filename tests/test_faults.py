@@ -33,6 +33,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
+from slurm_bed import _listening_ports  # noqa: E402
 from trainer_fixtures import digit_overrides, digits_data, tiny_model  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,19 +120,7 @@ class Tree:
 
 
 def _listening(ports: range) -> list[int]:
-    found = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if len(f) > 3 and f[3] == "0A":
-                port = int(f[1].rsplit(":", 1)[1], 16)
-                if port in ports:
-                    found.add(port)
-    return sorted(found)
+    return sorted(p for p in _listening_ports() if p in ports)
 
 
 def _leftover_dirs(root: Path) -> list[Path]:

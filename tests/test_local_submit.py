@@ -155,3 +155,39 @@ def test_detach_then_cancel_leaves_nothing_running(cli, tmp_path, tiny_model, ho
     d = json.loads(cli("status", job_id, "--json", env=home).stdout)
     assert d["state"] == "CANCELLED" and d["exit_code"] not in ("", "0")
     assert "cleanup" in cli("logs", job_id, "--follow", env=home, timeout=30).stdout  # --follow ends: job over
+
+
+def test_resume_refuses_changes_a_running_job_and_leaves_a_dry_run_untouched(cli, tmp_path, tiny_model, home):
+    """``submit --resume JOB`` runs that job again as it was submitted (its own run dir); what it
+    cannot do is one line, and ``--dry-run`` only says what it would do."""
+    import subprocess
+
+    wd = _workdir(tmp_path, tiny_model)
+    res = cli("submit", "--profile", "local", "--dry-run", cwd=wd, env=home)
+    assert res.returncode == 0, res.stderr
+    job_dir = next((Path(home["HPC_VERL_HOME"]) / "jobs").iterdir())
+    job_id = str(json.loads((job_dir / "job.json").read_text())["job_id"])
+
+    def one_line(*args: str) -> str:
+        r = cli("submit", *args, cwd=wd, env=home)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+        return r.stderr
+
+    assert "leave out --profile" in one_line("--resume", job_id, "--profile", "local")
+    assert "leave out" in one_line("--resume", job_id, "trainer.total_training_steps=3")
+    assert "job '4242' is not in the registry" in one_line("--resume", "4242")
+    before = (job_dir / "job.json").read_text()
+    res = cli("submit", "--resume", job_id, "--dry-run", cwd=wd, env=home)
+    assert res.returncode == 0, res.stderr
+    assert f"resume   local job {job_id} in {job_dir}/local-demo-{job_id}, from the start" in res.stdout
+    assert (job_dir / "job.json").read_text() == before
+    # a job whose script still runs (a real process naming the job dir stands in for it) is not run twice
+    holder = subprocess.Popen(["sh", "-c", "sleep 60", str(job_dir)])
+    try:
+        rec = json.loads(before)
+        rec.update(dry_run=False, pid=holder.pid)
+        (job_dir / "job.json").write_text(json.dumps(rec))
+        assert f"job {job_id} is RUNNING; wait for it or 'hpc-verl cancel {job_id}'" in one_line("--resume", job_id)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -345,9 +345,10 @@ class LocalBackend(ScriptBackend):
 
     def _resume(self, request: SubmitRequest) -> DryRun:
         """The job of ``--resume`` as it was submitted, to run again in its own run directory."""
-        if request.config or request.overrides or request.sets or request.name or request.profile:
+        if (request.config or request.overrides or request.sets or request.name or request.profile
+                or request.ray_address or request.cluster):
             raise ConfigError("--resume JOB runs that job again as it was submitted; leave out --profile, --config, "
-                              "--set, --name and overrides (or submit a new job)")
+                              "--set, --name, --ray-address, --cluster and overrides (or submit a new job)")
         rec = registry.find(str(request.resume))
         state = info(rec) if not rec.dry_run else JobInfo(JobState.DRY_RUN)
         if not state.terminal and state.state is not JobState.DRY_RUN:
@@ -357,16 +358,18 @@ class LocalBackend(ScriptBackend):
             raise SubmitError(f"job {Path(rec.job_dir).name} has no script to run again ({rec.script or 'none'}); "
                               "submit a new job")
         step = _checkpoint_step(rec)
-        with sup.updating(rec.job_dir) as cur:
-            cur.exit_code = None
-            cur.cancelled = False
-            cur.stop_reason = ""
-            cur.supervisor_pid = None
         where = f"from its checkpoint at step {step}" if step != "?" else "from the start (no checkpoint yet)"
-        return DryRun(self.scheduler, cur, f"resume   local job {cur.job_id} in {cur.run_dir}, {where}",
-                      files=[("script", cur.script)], by_hand=self.by_hand(cur), request=request)
+        return DryRun(self.scheduler, rec, f"resume   local job {rec.job_id} in {rec.run_dir}, {where}",
+                      files=[("script", rec.script)], by_hand=self.by_hand(rec), request=request)
 
     def submit(self, dry: DryRun) -> registry.JobRecord:
+        if dry.request.resume:   # (not in dryrun: `--resume JOB --dry-run` leaves the record as it was)
+            with sup.updating(dry.record.job_dir) as cur:
+                cur.exit_code = None
+                cur.cancelled = False
+                cur.stop_reason = ""
+                cur.supervisor_pid = None
+            dry.record.__dict__.update(cur.__dict__)
         if dry.request.detach:
             return run_detached(dry.record)
         run_foreground(dry.record)
