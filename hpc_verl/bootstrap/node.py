@@ -213,7 +213,12 @@ class NodeSupervisor:
         while not self._stop_requested():
             exited.update(procs.reap())   # the raylet is our child once ray start has exited (subreaper)
             if not procs.alive(raylet):
-                exited.update(procs.reap())
+                # a multi-threaded process shows as a zombie before its last threads are gone; only
+                # then can it be reaped (its wait status says how it ended)
+                until = time.monotonic() + 2.0
+                while raylet not in exited and time.monotonic() < until:
+                    exited.update(procs.reap())
+                    time.sleep(0.02)
                 how = procs.describe_status(exited[raylet]) if raylet in exited else "exited"
                 raise _RayLost(f"node {self.node}: raylet (pid {raylet}) {how} while the job ran; Ray on "
                                      f"this node is gone (its log: {self._kept_logs()}/raylet.out)")
