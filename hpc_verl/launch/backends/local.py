@@ -172,7 +172,7 @@ def run_foreground(rec: registry.JobRecord) -> int:
                 os.kill(proc.pid, signum)
             except ProcessLookupError:
                 pass
-    _settle(rec.job_dir, signal.SIGTERM)
+    _settle(rec.job_dir, signal.SIGTERM if stopping else signal.SIGKILL)   # (only if it could not record the end)
     final = registry.load(rec.job_dir)
     rec.__dict__.update(final.__dict__)
     return int(final.exit_code or 0)
@@ -253,7 +253,7 @@ def info(rec: registry.JobRecord) -> JobInfo:
             why = (f"checkpointed at step {_checkpoint_step(rec)}; continue with 'hpc-verl submit --resume "
                    f"{rec.job_id}' or 'bash {rec.script}'")
         else:
-            state, why = JobState.FAILED, failure_line(rec) or f"exit status {rc}"
+            state, why = JobState.FAILED, failure_line(rec) or rec.stop_reason or f"exit status {rc}"
         return JobInfo(state, reason=why, exit_code=f"{rc}", nodes=host, source="local", job_id=rec.job_id)
     if sup.runs(rec.supervisor_pid, rec.job_dir) or sup.runs(rec.pid, rec.job_dir):
         return JobInfo(JobState.RUNNING, nodes=host, source="local", job_id=rec.job_id)
