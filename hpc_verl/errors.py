@@ -133,8 +133,14 @@ def record_failure(line: str, path: str | os.PathLike[str] | None = None) -> Non
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError:  # already there (an earlier, truer cause), or nowhere to write it
         return
-    with os.fdopen(fd, "w") as fh:
-        fh.write(line.strip().splitlines()[0] + "\n" if line.strip() else "failed\n")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(line.strip().splitlines()[0] + "\n" if line.strip() else "failed\n")
+    except OSError:  # a full disk: the line still reaches stderr; no empty file to stand for it
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 # ---------------------------------------------------------------------------- the signal policy
