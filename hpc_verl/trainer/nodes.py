@@ -23,7 +23,7 @@ from typing import Any
 from hpc_verl.dataflow.context import TENSORS
 from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import workers as W
-from hpc_verl.trainer.lm import response_log_probs
+from hpc_verl.trainer.lm import can_share_prompts, response_log_probs
 from hpc_verl.trainer.model import quiet_transformers
 from hpc_verl.trainer.rollout import make_rollout_worker
 
@@ -78,7 +78,8 @@ class RolloutNode:
             import torch
             with torch.no_grad():
                 lp = response_log_probs(self.worker.model, merged,
-                                          float(self.cfg["actor_rollout_ref"]["rollout"]["temperature"]))
+                                        float(self.cfg["actor_rollout_ref"]["rollout"]["temperature"]),
+                                        share_prompts=can_share_prompts(self.worker.model))
             merged["rollout_log_prob"] = lp.float().cpu()
             merged["counts"]["fwd_rows"] = [rows]
         return merged
