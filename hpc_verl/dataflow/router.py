@@ -172,20 +172,23 @@ class Router:
                 self._abandon(pending)
 
     def _gather(self, name: str, tracks: list[Track]) -> list[Any]:
-        """The node's outputs in input order (split shards collected, spmd: rank 0's)."""
+        """The node's outputs in input order (split shards collected, spmd: rank 0's), fetched by
+        one ``ray.get`` for all tracks."""
         import ray
 
         node = self.graph.nodes[name]
-        vals: list[Any] = []
-        for track in tracks:
-            refs = track.refs[name]
-            if node.dispatch == "split":
-                envs = ray.get(refs)
-                collect = node.collect or spmd.concat
+        if node.dispatch == "split":
+            per = [len(track.refs[name]) for track in tracks]
+            flat = ray.get([ref for track in tracks for ref in track.refs[name]])
+            collect = node.collect or spmd.concat
+            vals: list[Any] = []
+            pos = 0
+            for n in per:
+                envs = flat[pos:pos + n]
+                pos += n
                 vals.extend(collect([e[1][j] for e in envs]) for j in range(len(envs[0][1])))
-            else:
-                vals.extend(ray.get(refs[0])[1])
-        return vals
+            return vals
+        return [v for env in ray.get([track.refs[name][0] for track in tracks]) for v in env[1]]
 
     def _abandon(self, tracks: Any) -> None:
         """Forget items a failed run left in flight (their instances may be drained)."""
