@@ -41,6 +41,9 @@ hpc-verl validate --all""",
 hpc-verl doctor --profile ib-a100
 hpc-verl doctor --profile ib-a100 --job-id "$SLURM_JOB_ID" --deep   # also look inside the container
 hpc-verl doctor --profile local --json | jq '.checks[] | select(.status != "OK")'""",
+    "attach": """hpc-verl attach 81234                        # a shell in the head node's container
+hpc-verl attach 81234 -- ray status          # a command there, with the job's RAY_ADDRESS and token
+hpc-verl attach 81234 --node 3 -- nvidia-smi # the 4th node (0 is the head), or --node gpu-node-4""",
     "plan": """hpc-verl plan --profile ib-a100 --nodes 4 --model-size 7B
 # paste the overrides into a submission
 hpc-verl submit --profile ib-a100 --set slurm.nodes=4 --config job.yaml \\

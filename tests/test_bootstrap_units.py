@@ -228,3 +228,21 @@ def test_parse_pids():
     assert parse_pids("12:head 13:workers") == {12: "head", 13: "workers"}
     with pytest.raises(BootstrapError):
         parse_pids("x:head")
+
+
+def test_the_top_of_the_worker_range_is_kept_for_the_trainers_rendezvous(monkeypatch):
+    from hpc_verl.bootstrap.ports import DIST_PORTS
+    from hpc_verl.dataflow import distgroup
+
+    b = port_block(7)
+    lo, hi = b.dist_ports
+    assert hi == b.max_worker and hi - lo + 1 == DIST_PORTS and lo > b.min_worker
+    assert f"--max-worker-port={lo - 1}" in b.ray_start_args(head=False)   # Ray's workers stay below
+    # a rank 0 takes its store's port from that range (the bootstrap exports it to the node's Ray)
+    monkeypatch.setenv("HPC_VERL_DIST_PORTS", f"{lo}-{hi}")
+    store, port = distgroup.open_store("127.0.0.1", 1, 5)
+    assert lo <= port <= hi
+    del store
+    monkeypatch.setenv("HPC_VERL_DIST_PORTS", "20090-x")
+    with pytest.raises(RuntimeError, match="is not a port range like"):
+        distgroup.open_store("127.0.0.1", 1, 5)

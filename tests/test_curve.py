@@ -75,7 +75,8 @@ def test_main_job_uses_the_learning_tests_settings():
     job = load_job_config(str(REPO / "examples" / "job_local_digits.yaml"))
     proof = dict(o.split("=", 1) for o in digit_overrides(Path("m"), Path("d"), Path("r"), 120))
     mine = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in job.trainer.overrides.items()}
-    launcher = {"actor_rollout_ref.model.path", "data.train_files", "hpc_verl.run_dir", "hpc_verl.progress"}
+    launcher = {"actor_rollout_ref.model.path", "data.train_files", "hpc_verl.run_dir", "hpc_verl.progress",
+                "trainer.n_gpus_per_node"}   # (the allocation's: the local profile gives one CPU rank)
     for key, value in proof.items():
         if key in launcher:
             continue

@@ -46,6 +46,8 @@ def square(x):
 print("ENV", os.environ["NCCL_IB_HCA"], os.environ["NCCL_SOCKET_IFNAME"], os.environ["EXTRA"])
 print("SQUARES", sum(ray.get([square.remote(i) for i in range(4)])))
 print("HPC_VERL_FROM", os.path.dirname(hpc_verl.__file__))
+import hpc_verl.data.preprocess  # the upload's /data/ default must not cut the shipped package
+print("SAMPLE", os.path.exists(os.path.join(os.path.dirname(hpc_verl.__file__), "data/samples/gsm8k_sample.jsonl")))
 print("ARGS", sys.argv[1:])
 """
 
@@ -75,6 +77,7 @@ def test_python_api_submit_with_profile_and_job_config(head, tmp_path, monkeypat
     # hpc_verl reached the cluster as a py_module (the head has no PYTHONPATH to this checkout)
     shipped = logs.split("HPC_VERL_FROM ")[1].splitlines()[0]
     assert "runtime_resources" in shipped, shipped
+    assert "SAMPLE True" in logs  # ... whole, its data/ package included
     args = logs.split("ARGS ")[1].splitlines()[0]
     # job overrides, command-line overrides, then the launcher's derived ones with concrete values
     assert "'trainer.total_epochs=1', 'algorithm.gamma=0.9', 'trainer.nnodes=2', " \
@@ -295,6 +298,59 @@ def test_cli_wrong_token_and_unreachable_are_one_line(cli, head, cli_env, tmp_pa
                                 "--ray-token-file", str(head.token_file), env=cli_env))
     assert "cannot reach the Ray Jobs API" in line and str(port) in line
     # failed submissions leave nothing in the registry
+    assert not list((tmp_path / "registry").glob("jobs/*"))
+
+
+# --------------------------------------------------------------------------- the upload guard (issue 13, item 4)
+
+LIST_FILES = ("import os; print('FILES', sorted(os.path.relpath(os.path.join(d, f)) "
+              "for d, _, fs in os.walk('.') for f in fs))")
+
+
+def _work_dir(tmp_path, name, big: str) -> tuple[Path, Path]:
+    """A working_dir with the driver and one 200 MiB sparse file at ``big``; its job config."""
+    work = tmp_path / name
+    (work / big).parent.mkdir(parents=True, exist_ok=True)
+    (work / "main.py").write_text(LIST_FILES + "\n")
+    with open(work / big, "wb") as fh:
+        fh.truncate(200 * 1024 * 1024)  # sparse: 200 MiB to Ray's zip, nothing on disk
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(json.dumps({"name": name, "trainer": {"module": "x", "derive_overrides": False},
+                                  "ray_job": {"command": ["python3", "main.py"], "working_dir": str(work)}}))
+    return work, config
+
+
+def _package_uri(work: Path) -> str:
+    """The GCS package Ray would make of ``work`` (its URI is a hash of what it holds)."""
+    from ray._private.runtime_env.packaging import get_uri_for_directory
+
+    from hpc_verl.launch.backends import upload
+    return get_uri_for_directory(str(work), True, excludes=upload.excludes_for([], []))
+
+
+def test_cli_working_dir_with_weights_submits_after_exclusion(cli, head, cli_env, tmp_path, cluster):
+    work, config = _work_dir(tmp_path, "weights", "model.safetensors")
+    args = ("submit", "--ray-address", head.address, "--ray-token-file", str(head.token_file), "--config", str(config))
+    res = cli(*args, "--dry-run", env=cli_env)
+    assert res.returncode == 0 and "upload    working_dir 0.0 MiB (1 file)" in res.stdout, res.stderr
+    res = cli(*args, env=cli_env)
+    assert res.returncode == 0, res.stderr
+    sid = res.stdout.split("submitted Ray job ")[1].split()[0]
+    assert rayjobs_api.RayJobHandle(head.address, sid, str(head.token_file)).wait(timeout_s=90) == "COMPLETED"
+    logs = cli("logs", sid, env=cli_env).stdout
+    assert "FILES ['main.py']" in logs  # the driver's working_dir: the weights stayed home
+    assert cluster.client._package_exists(_package_uri(work))
+
+
+def test_cli_oversize_working_dir_is_one_line_and_nothing_is_uploaded(cli, head, cli_env, tmp_path, cluster):
+    work, config = _work_dir(tmp_path, "corpus", "corpus/shard.txt")
+    jobs_before = len(cluster.client.list_jobs())
+    line = _one_line_exit_2(cli("submit", "--ray-address", head.address, "--ray-token-file", str(head.token_file),
+                                "--config", str(config), env=cli_env))
+    assert f"ray_job.working_dir {work} would upload 200.0 MiB (2 files), over Ray's 100.0 MiB upload limit" in line
+    assert "biggest: corpus/ 200.0 MiB" in line and "ray_job.excludes" in line and "['/corpus/']" in line
+    assert len(cluster.client.list_jobs()) == jobs_before
+    assert not cluster.client._package_exists(_package_uri(work))  # no package of it reached the cluster
     assert not list((tmp_path / "registry").glob("jobs/*"))
 
 

@@ -113,10 +113,10 @@ def test_vllm_rollout_without_vllm_is_one_clear_error(tiny_model, digits_data, t
     import importlib.util
 
     from hpc_verl.errors import HpcVerlError
-    from hpc_verl.trainer import rollout as W
+    from hpc_verl.trainer.nodes import make_rollout_worker
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     cfg = _cfg(tiny_model, digits_data, tmp_path, "actor_rollout_ref.rollout.name=vllm")
     with pytest.raises(HpcVerlError, match="vLLM is not installed"):
-        W.make_rollout_worker(cfg)
+        make_rollout_worker(cfg)
     assert cfg["hpc_verl"]["old_log_prob_from_rollout"] is False  # vLLM numerics differ: recompute

@@ -242,7 +242,7 @@ def test_missing_log_probs_are_an_error() -> None:
 def test_without_vllm_one_clear_line(tiny_model) -> None:
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    from hpc_verl.trainer.rollout import make_rollout_worker
+    from hpc_verl.trainer.nodes import make_rollout_worker
     with pytest.raises(V.VLLMUnavailable) as e:
         make_rollout_worker(_cfg(tiny_model))
     msg = str(e.value)

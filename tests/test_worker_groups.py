@@ -157,7 +157,8 @@ class Rollout:
         ctx = current_context()
         n = len(shard["x"])
         return {"x": shard["x"], "uid": shard["uid"], "replica": [ctx.index] * n, "version": [self.version] * n,
-                "weight_sum": [float(self.w.weight.double().sum())] * n, "rows": [ctx.shard_rows] * n}
+                "weight_sum": [float(self.w.weight.double().sum())] * n, "rows": [ctx.shard_rows] * n,
+                "t": [time.time()] * n}
 
     def load_tensors(self, data_type: str, named, version: int) -> None:
         params = dict(self.w.named_parameters())
@@ -357,3 +358,65 @@ def _alive(pid: int) -> bool:
             return fh.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+class SnapTrainer(Trainer):
+    """A trainer that freezes each version (SNAPSHOT) and takes its time, so two items overlap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen: dict[int, list] = {}
+        self.sums: dict[int, float] = {}
+
+    def process(self, joined: dict) -> dict:
+        from hpc_verl.dataflow import SNAPSHOT, current_context
+        t0 = time.time()
+        time.sleep(0.4)
+        with torch.no_grad():
+            self.w.weight.add_(1.0)
+        self.version += 1
+        self.frozen[self.version] = [(n, p.detach().clone()) for n, p in self.w.named_parameters()]
+        self.sums[self.version] = float(self.w.weight.double().sum())
+        current_context().emit_control(SNAPSHOT, self.version)
+        return {"trained_at": self.version - 1, "used": joined["version"][0], "held": joined["weight_sum"][0],
+                "rolled_at": joined["t"][0], "t0": t0, "t1": time.time()}
+
+    def export_snapshot(self, data_type: str, version: int):
+        return iter(self.frozen[version])
+
+    def sums_by_version(self) -> dict:
+        return self.sums
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_snapshots_let_two_items_overlap_with_the_right_weights_for_each_version(cluster):
+    graph = DataflowGraph("wg_snapshot")
+    with graph:
+        r = Node("rollout", Rollout, group=WorkerGroup("roll", 1, {"CPU": 0.5}, dist=False), dispatch="split")
+        t = Node("train", SnapTrainer, group=WorkerGroup("train", 1, {"CPU": 0.5}, timeout_s=30))
+        Edge(r, t)
+        Edge(t, r, control=True, consistency="strong", data_type="policy")
+    sched = HybridScheduler(graph, backpressure=False)
+    try:
+        sched.start()
+        left = iter(range(8))
+        outs, roll = [], []
+        for out in sched.stream(lambda: {"x": [[1.0] * 4], "uid": ["a"]} if next(left, None) is not None else None,
+                                depth=2):
+            outs.append(out["train"])
+        sums = sched.call_all("train", "sums_by_version")[0]
+        transfer = sched.get_status()["edges"]["train->rollout"]["transfer"]
+    finally:
+        sched.shutdown()
+    assert len(outs) == 8 and [o["trained_at"] for o in outs] == list(range(8))
+    stale = [o["trained_at"] - o["used"] for o in outs]
+    assert set(stale) <= {0, 1} and stale.count(1) >= 6                  # one version behind, never more
+    assert transfer["mode"] == "broadcast (snapshot, overlapped)" and transfer["version"] == 8
+    # every item was generated with exactly the weights of the version it names (not a newer copy)
+    for o in outs:
+        if o["used"] > 0:
+            assert o["held"] == pytest.approx(sums[o["used"]], rel=1e-9), o
+    # overlap: the rollout of item k+1 ran while item k was training
+    assert sum(outs[i + 1]["rolled_at"] < outs[i]["t1"] for i in range(1, 7)) >= 5
+    del roll

@@ -214,7 +214,9 @@ class NodeSupervisor:
         os.makedirs(self.temp_dir, exist_ok=True)
         log_path = os.path.join(self.temp_dir, "ray-start.log")
         with open(log_path, "ab") as log:
-            child = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            lo, hi = ports.dist_ports   # the trainer's ranks on this node open their stores there
+            env = {**self.env, "HPC_VERL_DIST_PORTS": f"{lo}-{hi}"}
+            child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         if self.is_head:
             if not self._wait_own_gcs(ip, ports.gcs, child, deadline):

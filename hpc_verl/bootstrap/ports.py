@@ -8,7 +8,9 @@ Inside that block:
   the job that shares a host with other nodes of the same job (1 on a real
   cluster, 2 on the test bed where two slurmd run on one machine). Each sub-block
   holds node manager, object manager, dashboard agent (HTTP and gRPC),
-  runtime-env agent and metrics ports, then the worker port range.
+  runtime-env agent and metrics ports, then the worker port range, whose top
+  ``DIST_PORTS`` ports are kept from Ray for the trainer's torch.distributed
+  rendezvous (exported to the node's Ray as ``HPC_VERL_DIST_PORTS``).
 
 Two jobs on one node therefore never collide unless their ids are equal modulo
 ``port_slots``; for that case :func:`pick_node_ports` probes the ports and moves
@@ -27,6 +29,7 @@ from hpc_verl.profiles.schema import RaySection  # the profile's defaults: one p
 HEAD_FIXED = 3   # gcs, dashboard, client
 NODE_FIXED = 6   # node manager, object manager, agent http, agent grpc, runtime env, metrics
 MIN_WORKER_PORTS = 8
+DIST_PORTS = 4   # the top of each node's worker range: the trainer's torch.distributed rendezvous stores
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class PortBlock:
         return [self.node_manager, self.object_manager, self.dashboard_agent_listen,
                 self.dashboard_agent_grpc, self.runtime_env_agent, self.metrics_export]
 
+    @property
+    def dist_ports(self) -> tuple[int, int]:
+        """The ports (lo, hi) kept for torch.distributed stores of this node's ranks."""
+        return self.max_worker - DIST_PORTS + 1, self.max_worker
+
     def head_ports(self) -> list[int]:
         return [self.gcs, self.dashboard, self.client]
 
@@ -67,7 +75,7 @@ class PortBlock:
                 f"--runtime-env-agent-port={self.runtime_env_agent}",
                 f"--metrics-export-port={self.metrics_export}",
                 f"--min-worker-port={self.min_worker}",
-                f"--max-worker-port={self.max_worker}"]
+                f"--max-worker-port={self.max_worker - DIST_PORTS}"]
         if head:
             args = [f"--port={self.gcs}", f"--dashboard-port={self.dashboard}",
                     f"--ray-client-server-port={self.client}", *args]
@@ -87,12 +95,12 @@ def port_block(job_id: int, *, port_base: int = RaySection.port_base, port_strid
     if not 0 <= node_slot < nodes_per_host:
         raise BootstrapError(f"port layout: node slot {node_slot} outside 0..{nodes_per_host - 1}")
     per_node = (port_stride - HEAD_FIXED) // nodes_per_host
-    workers = per_node - NODE_FIXED
+    workers = per_node - NODE_FIXED - DIST_PORTS
     if workers < MIN_WORKER_PORTS:
         raise BootstrapError(
             f"port layout: ray.port_stride={port_stride} leaves {max(workers, 0)} worker ports per node "
             f"for {nodes_per_host} node(s) per host; raise ray.port_stride to at least "
-            f"{HEAD_FIXED + nodes_per_host * (NODE_FIXED + MIN_WORKER_PORTS)}")
+            f"{HEAD_FIXED + nodes_per_host * (NODE_FIXED + DIST_PORTS + MIN_WORKER_PORTS)}")
     slot = (job_id + slot_shift) % port_slots
     start = port_base + slot * port_stride
     if start + port_stride - 1 > 65535:

@@ -18,11 +18,14 @@ from hpc_verl.util.argparser import OneLineParser
 
 # Add a verb by adding its module name here (module hpc_verl.cli.<name>).
 VERB_MODULES: tuple[str, ...] = (
-    "profiles", "render", "validate", "submit", "jobs", "cluster",
+    "profiles", "render", "validate", "submit", "jobs", "attach", "cluster",
     "doctor", "plan",
     "train", "preprocess", "make_tiny_model", "check_model", "plot",
     "dashboard",
 )
+# Verbs that run a command given after `--` (`hpc-verl attach JOB -- hostname`): it reaches them
+# untouched, as args.command, whatever options it has.
+COMMAND_VERBS: tuple[str, ...] = ("attach",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = None
+    if argv[:1] and argv[0] in COMMAND_VERBS and "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
     args, extra = parser.parse_known_args(argv)
+    if command is not None:
+        args.command = command
     # verbs with trainer overrides take key=value anywhere on the line, also after options
     if extra:
         if isinstance(getattr(args, "overrides", None), list) and all(

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from hpc_verl.dataflow.context import TENSORS
+from hpc_verl.dataflow.context import SNAPSHOT, TENSORS
 from hpc_verl.dataflow.distgroup import DEFAULT_BUCKET_BYTES
 from hpc_verl.dataflow.graph import DataflowGraph, Edge
 from hpc_verl.dataflow.pool import InstancePool, Proc
@@ -35,6 +35,7 @@ class ControlBoard:
         self.transfers: dict[str, dict[str, Any]] = {}        # edge key -> last tensor transfer figures
         self._sync: dict[str, tuple[str, tuple[str, ...]]] = {}  # edge key -> (sync key, members)
         self._dtype: dict[str, str | None] = {}
+        self._pending: dict[str, tuple[list[Any], int, float, int]] = {}   # SNAPSHOT transfers not waited for
         self._strong_in = {n: [e.key for e in graph.in_edges(n, control=True) if e.consistency == "strong"]
                            for n in graph.nodes}
 
@@ -66,8 +67,8 @@ class ControlBoard:
                     return
                 raise DataflowError(f"control edge {e.key}: version {version} is not newer than the published "
                                     f"{prev[1]}; versions must grow")
-        if payload is TENSORS:
-            self._move_tensors(e, version)
+        if payload is TENSORS or payload is SNAPSHOT:
+            self._move_tensors(e, version, snapshot=payload is SNAPSHOT)
             with self.lock:
                 self.entries[e.key] = (src, version, TENSORS)
             return
@@ -103,29 +104,55 @@ class ControlBoard:
             raise DataflowError(f"control edge {e.key}: source '{e.src_name}' has no live instance")
         return [insts[0].proc]
 
-    def _move_tensors(self, e: Edge, version: int) -> None:
+    def _move_tensors(self, e: Edge, version: int, snapshot: bool = False) -> None:
         import ray
 
         src, dst = self.graph.nodes[e.src_name], self.graph.nodes[e.dst_name]
+        self.wait_pending(e.key)
         t0 = time.perf_counter()
         dst_insts = [i for i in self.pool.instances[e.dst_name] if not i.draining]
-        if src.group is not None and dst.group is not None and src.group is dst.group:
+        local = src.group is not None and dst.group is not None and src.group is dst.group
+        if snapshot and local:
+            raise DataflowError(f"control edge {e.key}: SNAPSHOT is for a destination in another worker group; "
+                                f"emit TENSORS for one in the same processes")
+        if local:
             refs = [i.handle.apply_local.remote(e.dst_name, e.key, e.src_name, version) for i in dst_insts]
-            mode, results = "in-process", ray.get(refs)
-            nbytes = None
+            results = ray.get(refs)
+            self._record(e.key, "in-process", version, t0, None, len(results))
+            return
+        key = self._ensure_sync(e)
+        dtype = self._dtype_of(e)
+        dt = e.data_type or e.key
+        if snapshot:   # the frozen copy goes out from source rank 0's control thread; receivers queue as usual
+            sends = [self._src_procs(e)[0].handle.sync_send_snapshot.remote(key, e.src_name, dt, version, dtype,
+                                                                              self.bucket_bytes)]
         else:
-            key = self._ensure_sync(e)
-            dtype = self._dtype_of(e)
-            sends = [p.handle.sync_send.remote(key, e.src_name, e.data_type or e.key, dtype, self.bucket_bytes)
+            sends = [p.handle.sync_send.remote(key, e.src_name, dt, dtype, self.bucket_bytes)
                      for p in self._src_procs(e)]
-            recvs = [i.handle.sync_recv.remote(key, e.dst_name, e.key, version) for i in dst_insts]
-            out = ray.get(sends + recvs)
-            mode, results = "broadcast", out[len(sends):]
-            nbytes = out[0]["bytes"]
-        seconds = time.perf_counter() - t0
+        recvs = [i.handle.sync_recv.remote(key, e.dst_name, e.key, version) for i in dst_insts]
+        if snapshot:   # not waited for: the next item of the source runs meanwhile (checked later)
+            self._pending[e.key] = (sends + recvs, version, t0, len(sends))
+            return
+        out = ray.get(sends + recvs)
+        self._record(e.key, "broadcast", version, t0, out[0]["bytes"], len(recvs))
+
+    def wait_pending(self, edge_key: str | None = None) -> None:
+        """Finish the snapshot transfers still running (one edge, or all); raises their errors."""
+        import ray
+
+        for key in [edge_key] if edge_key else list(self._pending):
+            entry = self._pending.pop(key, None)
+            if entry is None:
+                continue
+            refs, version, t0, n_send = entry
+            out = ray.get(refs)
+            self._record(key, "broadcast (snapshot, overlapped)", version, t0, out[0]["bytes"], len(out) - n_send)
+
+    def _record(self, key: str, mode: str, version: int, t0: float, nbytes: int | None, receivers: int) -> None:
         with self.lock:
-            self.transfers[e.key] = {"mode": mode, "version": version, "seconds": round(seconds, 6),
-                                     "bytes": nbytes, "receivers": len(results)}
+            self.transfers[key] = {"mode": mode, "version": version,
+                                   "seconds": round(time.perf_counter() - t0, 6), "bytes": nbytes,
+                                   "receivers": receivers}
 
     def _dtype_of(self, e: Edge) -> str | None:
         import ray

@@ -34,6 +34,29 @@ class _TensorsMarker:
 TENSORS = _TensorsMarker()
 
 
+class _SnapshotMarker:
+    """Emitted instead of TENSORS: "I have frozen a copy of my tensors of this version; ship it
+    without waiting". The source implements ``export_snapshot(data_type, version)``; the
+    broadcast runs in the source's control thread, beside its next item, so a pipeline of two
+    items overlaps (one-step-off-policy training). Only for a destination in another worker group."""
+
+    _instance: "_SnapshotMarker | None" = None
+
+    def __new__(cls) -> "_SnapshotMarker":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> tuple:
+        return (_SnapshotMarker, ())
+
+    def __repr__(self) -> str:
+        return "SNAPSHOT"
+
+
+SNAPSHOT = _SnapshotMarker()
+
+
 @dataclass
 class ControlMessage:
     """What a class instance's ``on_control`` receives."""

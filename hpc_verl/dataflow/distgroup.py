@@ -3,8 +3,8 @@ actors, never by the driver): the rendezvous, the group's process group, and the
 standalone "sync" groups that carry tensors between two worker groups.
 
 Rendezvous: rank 0 opens a ``TCPStore`` on its node address, on the first free
-port of ``$HPC_VERL_DIST_PORTS`` ("lo-hi", the job's port block; the launcher
-exports it) or on a port the kernel picks; the driver hands (address, port) to
+port of ``$HPC_VERL_DIST_PORTS`` ("lo-hi": the top of the node's port block,
+exported to its Ray by the job's bootstrap) or on a port the kernel picks; the driver hands (address, port) to
 the other ranks. Every collective has a timeout, so a dead peer ends a step with
 an error instead of a hang.
 
@@ -37,13 +37,16 @@ def device_for(backend: str) -> Any:
 
 
 def _port_candidates() -> list[int]:
+    """The node's ports for stores (``lo-hi``, from the job's port block), then one the kernel picks."""
     spec = os.environ.get(PORT_RANGE_ENV, "").strip()
     if not spec:
         return [0]
     try:
         lo, hi = (int(x) for x in spec.split("-", 1))
+        if not 0 < lo <= hi <= 65535:
+            raise ValueError
     except ValueError:
-        return [0]
+        raise RuntimeError(f"${PORT_RANGE_ENV}={spec!r} is not a port range like 20090-20093") from None
     return list(range(lo, hi + 1)) + [0]
 
 
@@ -75,6 +78,8 @@ def init_default_group(store: Any, rank: int, world_size: int, backend: str, tim
     backend = resolve_backend(backend)
     if backend == "nccl":
         torch.cuda.set_device(0)  # Ray shows an actor only its own GPU(s)
+        # CPU tensors (counters, statistics, CPU-offloaded FSDP shards) need a CPU backend too
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
 

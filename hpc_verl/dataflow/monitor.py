@@ -114,7 +114,7 @@ class Monitor:
                 old = sum(inst.stats.get("stale_rejected", {}).values())
                 new = sum(new_stats.get("stale_rejected", {}).values())
                 for edge, version, held in new_stats.get("rejections", [])[-(new - old):] if new > old else ():
-                    self.sched._decide(f"Consistency: {inst.iid} rejected stale control v{version} on {edge} "
+                    self.sched.decide(f"Consistency: {inst.iid} rejected stale control v{version} on {edge} "
                                        f"(holds v{held})")
                 inst.stats = new_stats
         now = time.monotonic()
@@ -157,7 +157,7 @@ class Monitor:
                 threading.Thread(target=self.sched.adjust_parallelism, args=(src.name, p_src - 1, reason),
                                  daemon=True).start()
             else:
-                self.sched._decide(f"Scheduling decision: {reason}, but {dst.name} cannot grow and "
+                self.sched.decide(f"Scheduling decision: {reason}, but {dst.name} cannot grow and "
                                    f"{src.name} cannot shrink; the bounded channel holds the producer back")
 
     # ---- status --------------------------------------------------------------------
@@ -192,7 +192,7 @@ class Monitor:
                                "processed": self.pool.retired[name]["processed"] + sum(w["processed"]
                                                                                        for w in workers),
                                "rows": self.pool.retired[name]["rows"] + sum(w["rows"] for w in workers),
-                               "ulysses": self.sched._ulysses[name] if node.ulysses is not None else None}
+                               "ulysses": self.sched.ulysses_on(name)}
             edges: dict[str, Any] = {}
             for e in self.graph.edges:
                 st = self.edge_stats[e.key]
@@ -214,13 +214,13 @@ class Monitor:
                 edges[e.key] = entry
             decisions = list(self.sched.decisions)
             items_in, items_out = self.router.items_in, self.router.items_out
-        return {"graph": self.graph.name, "time": time.time(), "started": self.sched._started, "nodes": nodes,
+        return {"graph": self.graph.name, "time": time.time(), "started": self.sched.started, "nodes": nodes,
                 "edges": edges, "gpus": self._gpu_table(nodes), "decisions": decisions,
                 "items_in": items_in, "items_out": items_out, "window": self.router.window}
 
     def _gpu_table(self, nodes: dict[str, Any]) -> dict[str, Any]:
         table: dict[str, Any] = {}
-        for cn in self.sched._total:
+        for cn in self.sched.cluster_total:
             for g in range(int(cn.gpus)):
                 table[f"{cn.name}:{g}"] = {"ray_node_id": cn.node_id, "gpu": str(g), "memory": "n/a", "users": []}
         for name in nodes:
@@ -237,7 +237,7 @@ class Monitor:
 
     def publish(self) -> None:
         snap = self.snapshot()
-        hub = self.sched._hub
+        hub = self.sched.hub
         if hub is not None:
             hub.set.remote(snap)
         if self.status_file:

@@ -54,10 +54,6 @@ class InstancePlan:
     group: str | None = None     # worker group (split/spmd nodes); None for routed replicas
     process: str = ""            # the Ray actor that hosts it: "<group>_<rank>" or the instance id
 
-    @property
-    def rank(self) -> int | None:
-        return self.index if self.group is not None else None
-
 
 @dataclass
 class BundlePlan:

@@ -110,14 +110,7 @@ class InstancePool:
 
     def materialise(self, plan: PlacementPlan) -> None:
         """Placement groups, actors, rendezvous and node objects for the whole plan."""
-        pgs = {b.bundle_id: self._placement_group(b) for b in plan.bundles}
-        self._wait_ready(list(pgs.values()), "the graph")
-        procs = [self._spawn(key, insts, pgs[insts[0].bundle], plan.bundle(insts[0].bundle))
-                 for key, insts in plan.processes().items()]
-        self._setup(procs)
-        with self.lock:
-            for node in self.instances:
-                self.routable[node] = sorted(self.instances[node], key=lambda i: i.index)
+        self._start(plan, "the graph", list(self.instances))
 
     def _spawn(self, key: str, plans: list[InstancePlan], pg: Any, bundle: BundlePlan) -> Proc:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -282,13 +275,17 @@ class InstancePool:
             self.kill_proc(proc)
         self._generation[group] += 1
         self.world[group] = plan.groups()[group]["world_size"]
+        return self._start(plan, f"worker group {group}", self.graph.group_nodes(group))
+
+    def _start(self, plan: PlacementPlan, what: str, nodes: list[str]) -> list[Proc]:
+        """Placement groups, processes, rendezvous and node objects of ``plan``; ``nodes`` routable."""
         pgs = {b.bundle_id: self._placement_group(b) for b in plan.bundles}
-        self._wait_ready(list(pgs.values()), f"worker group {group}")
+        self._wait_ready(list(pgs.values()), what)
         procs = [self._spawn(key, insts, pgs[insts[0].bundle], plan.bundle(insts[0].bundle))
                  for key, insts in plan.processes().items()]
         self._setup(procs)
         with self.lock:
-            for node in self.graph.group_nodes(group):
+            for node in nodes:
                 self.routable[node] = sorted(self.instances[node], key=lambda i: i.index)
         return procs
 

@@ -93,21 +93,14 @@ class Router:
                         track = self._submit({s: items[s][pos:pos + size] for s in sources}, size)
                         for name in keep:
                             result[name].append(track)
-                        for name in self._watch:
-                            for ref in track.refs[name]:
-                                waiting[ref] = track
-                                track.waiting += 1
+                        self._watch_refs(track, waiting)
                         pos += size
                         active += size
                     refs = list(waiting)
                     ready, _ = ray.wait(refs, num_returns=max(1, len(refs) // 4), fetch_local=False)
-                    for ref in ready:
-                        track = waiting.pop(ref)
-                        track.waiting -= 1
-                        if track.waiting == 0:
-                            active -= track.size
-                            self._complete(track)
+                    active -= sum(t.size for t in self._settle(ready, waiting))
                 out = {name: self._gather(name, result[name]) for name in keep}
+                self.board.wait_pending()
             except Exception as exc:  # noqa: BLE001 - turned into one clear error
                 tracks = {id(t): t for ts in result.values() for t in ts}
                 tracks.update({id(t): t for t in waiting.values()})
@@ -145,20 +138,13 @@ class Router:
                             break
                         track = self._submit({sources[0]: [item]}, 1)
                         pending.append(track)
-                        for name in self._watch:
-                            for ref in track.refs[name]:
-                                waiting[ref] = track
-                                track.waiting += 1
+                        self._watch_refs(track, waiting)
                     if not pending:
                         return
                     head = pending[0]
                     while head.key in self.live:
                         ready, _ = ray.wait(list(waiting), num_returns=1, fetch_local=False)
-                        for ref in ready:
-                            track = waiting.pop(ref)
-                            track.waiting -= 1
-                            if track.waiting == 0:
-                                self._complete(track)
+                        self._settle(ready, waiting)
                     pending.pop(0)
                     out = {name: self._gather(name, [head])[0] for name in sinks}
                     with self.lock:
@@ -170,6 +156,26 @@ class Router:
                 raise self.run_error(exc, pending) from None
             finally:
                 self._abandon(pending)
+                if not pending:
+                    self.board.wait_pending()   # the last snapshot transfer, before anyone saves
+
+    def _watch_refs(self, track: Track, waiting: dict[Any, Track]) -> None:
+        """The refs that tell when ``track`` is done (sinks, emitters, every rank of a group)."""
+        for name in self._watch:
+            for ref in track.refs[name]:
+                waiting[ref] = track
+                track.waiting += 1
+
+    def _settle(self, ready: list[Any], waiting: dict[Any, Track]) -> list[Track]:
+        """Count ready refs off their tracks; complete (publish the controls of) the finished ones."""
+        done = []
+        for ref in ready:
+            track = waiting.pop(ref)
+            track.waiting -= 1
+            if track.waiting == 0:
+                self._complete(track)
+                done.append(track)
+        return done
 
     def _gather(self, name: str, tracks: list[Track]) -> list[Any]:
         """The node's outputs in input order (split shards collected, spmd: rank 0's), fetched by
@@ -180,13 +186,11 @@ class Router:
         if node.dispatch == "split":
             per = [len(track.refs[name]) for track in tracks]
             flat = ray.get([ref for track in tracks for ref in track.refs[name]])
-            collect = node.collect or spmd.concat
             vals: list[Any] = []
             pos = 0
             for n in per:
-                envs = flat[pos:pos + n]
+                vals.extend(spmd.gather_items([e[1] for e in flat[pos:pos + n]], node.collect))
                 pos += n
-                vals.extend(collect([e[1][j] for e in envs]) for j in range(len(envs[0][1])))
             return vals
         return [v for env in ray.get([track.refs[name][0] for track in tracks]) for v in env[1]]
 
@@ -286,6 +290,10 @@ class Router:
 
     # ---- method calls --------------------------------------------------------------
     def call(self, node_name: str, method: str, args_per_instance: list[tuple], kwargs: dict) -> list[Any]:
+        with self.step_lock:   # never in the middle of a resize (the driver's own thread re-enters)
+            return self._call(node_name, method, args_per_instance, kwargs)
+
+    def _call(self, node_name: str, method: str, args_per_instance: list[tuple], kwargs: dict) -> list[Any]:
         import ray
 
         insts = sorted(self.pool.routable[node_name], key=lambda i: i.index)

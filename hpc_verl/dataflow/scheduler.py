@@ -89,6 +89,26 @@ class HybridScheduler:
             self.decisions.append(line)
         log.info(line)
 
+    decide = _decide   # (the monitor logs its decisions through it)
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def hub(self) -> Any:
+        """The named status actor the dashboard reads (None when not started)."""
+        return self._hub
+
+    @property
+    def cluster_total(self) -> list[ClusterNode]:
+        """Every Ray node with all its resources, as last planned against."""
+        return list(self._total)
+
+    def ulysses_on(self, node_name: str) -> bool | None:
+        """The node's sequence-parallel mode (None: it has none)."""
+        return self._ulysses[node_name] if self.graph.nodes[node_name].ulysses is not None else None
+
     # ---- materialisation -----------------------------------------------------------
     def start(self) -> "HybridScheduler":
         """Create placement groups, actors (with their process groups) and the status actor;
@@ -242,42 +262,65 @@ class HybridScheduler:
             self.pool.drain(victims, drain_timeout_s)
         return len(self.pool.routable[node_name])
 
-    def _resize_group(self, group: str, target: int, reason: str) -> int:
+    def _has(self, node: str, method: str) -> bool:
         import ray
+        return bool(ray.get(self.pool.routable[node][0].handle.has_method.remote(node, method)))
 
+    def _resize_group(self, group: str, target: int, reason: str) -> int:
         before = self.pool.world[group]
         if target == before:
             return before
         hosted = self.graph.group_nodes(group)
         with self.router.step_lock:  # the next step boundary: no item of this graph in flight
+            if self.router.live:
+                raise DataflowError(f"adjust_parallelism: worker group {group} cannot be resized while "
+                                    f"{len(self.router.live)} item(s) are in flight; call it between steps")
             for n in hosted:
-                rank0 = self.pool.routable[n][0]
-                if ray.get(rank0.handle.has_method.remote(n, "check_world_size")):
+                if self._has(n, "check_world_size"):
                     problem = self.router.call(n, "check_world_size", [(target,)], {})[0]
                     if problem:
                         raise DataflowError(f"adjust_parallelism: cannot resize worker group {group} "
                                             f"{before} -> {target}: {problem}")
-            carry = [n for n in hosted
-                     if ray.get(self.pool.routable[n][0].handle.has_method.remote(n, "save_checkpoint"))]
+            carry = [n for n in hosted if self._has(n, "save_checkpoint")]
             free = self._free_with_group(group)
             plan = place_group(self.graph, group, target, free, self.pool.bundle_prefix(group))
             scratch = tempfile.mkdtemp(prefix=f"hpcv-resize-{group}-", dir=self.scratch_dir)
+            for n in carry:
+                self.router.call(n, "save_checkpoint", [(f"{scratch}/{n}",)], {})
             try:
-                for n in carry:
-                    self.router.call(n, "save_checkpoint", [(f"{scratch}/{n}",)], {})
-                procs = self.pool.replace_group(group, plan)
-                for n in carry:
-                    self.router.call(n, "load_checkpoint", [(f"{scratch}/{n}",)], {})
-                for n in hosted:
-                    self.board.deliver_latest(n, procs)
-            finally:
+                self._restart_group(group, plan, carry, scratch)
+            except Exception as exc:  # noqa: BLE001 - back to the old size from the same state
+                self._decide(f"Scheduling decision: resizing worker group {group} to {target} failed "
+                             f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
+                             f"restarting it at {before} from the saved state")
+                try:
+                    old_plan = place_group(self.graph, group, before, self._free_with_group(group),
+                                           self.pool.bundle_prefix(group))
+                    self._restart_group(group, old_plan, carry, scratch)
+                except Exception:  # noqa: BLE001
+                    raise DataflowError(f"adjust_parallelism: resizing worker group {group} {before} -> {target} "
+                                        f"failed and so did restarting it; its state is kept in {scratch}") from None
                 shutil.rmtree(scratch, ignore_errors=True)
+                raise DataflowError(f"adjust_parallelism: worker group {group} could not be resized to {target} "
+                                    f"({exc}); it runs at {before} again, state carried over") from None
+            shutil.rmtree(scratch, ignore_errors=True)
         for line in plan.decisions:
             self._decide(line)
         kept = f"; state of {', '.join(carry)} carried over" if carry else ""
         self._decide(f"Scheduling decision: resized worker group {group} ({', '.join(hosted)}) {before} -> "
                      f"{target} ({reason}): new process group{kept}")
         return target
+
+    def _restart_group(self, group: str, plan: PlacementPlan, carry: list[str], scratch: str) -> None:
+        """The group's processes replaced by ``plan``'s; saved state loaded, control state re-delivered,
+        Ulysses switched off again where it was."""
+        procs = self.pool.replace_group(group, plan)
+        for n in carry:
+            self.router.call(n, "load_checkpoint", [(f"{scratch}/{n}",)], {})
+        for n in self.graph.group_nodes(group):
+            self.board.deliver_latest(n, procs)
+            if self._ulysses.get(n) is False and self.graph.nodes[n].ulysses:
+                self._set_ulysses(self.pool.routable[n], False)
 
     def _free_with_group(self, group: str) -> list[ClusterNode]:
         """Free resources as if the group's own bundles were already given back."""
@@ -304,7 +347,15 @@ class HybridScheduler:
             self._decide(f"Scheduling decision: {msg}")
             return False
         if self._started:
-            self._set_ulysses(self.pool.routable[node_name], False)
+            with self.router.step_lock:   # between steps, and in the same order on every rank
+                if self.router.live:
+                    raise DataflowError(f"disable_ulysses('{node_name}'): {len(self.router.live)} item(s) in "
+                                        f"flight; call it between steps")
+                if self._has(node_name, "check_ulysses_off"):
+                    problem = self.router.call(node_name, "check_ulysses_off", [()], {})[0]
+                    if problem:
+                        raise DataflowError(f"disable_ulysses('{node_name}'): refused: {problem}")
+                self._set_ulysses(self.pool.routable[node_name], False)
         self._ulysses[node_name] = False
         self._decide(f"Scheduling decision: disabled Ulysses sequence parallelism for {node_name}")
         return True

@@ -104,6 +104,12 @@ def take_rows(item: Any, start: int, stop: int, n: int | None = None) -> Any:
     return item[start:stop]
 
 
+def gather_items(outputs: Sequence[Sequence[Any]], collect: Any = None) -> list[Any]:
+    """``outputs[rank][j]``: rank's shard of item j -> item j gathered (``collect``, default concat)."""
+    merge = collect or concat
+    return [merge([out[j] for out in outputs]) for j in range(len(outputs[0]))]
+
+
 def concat(shards: Sequence[Any]) -> Any:
     """Shards (in rank order) back into one item: tensors/arrays along rows, lists
     concatenated, dicts field by field; any other value must be equal in every shard."""

@@ -30,7 +30,7 @@ import ray
 
 from hpc_verl.dataflow import context as _context
 from hpc_verl.dataflow import spmd
-from hpc_verl.dataflow.context import TENSORS, ControlMessage, WorkerContext
+from hpc_verl.dataflow.context import SNAPSHOT, TENSORS, ControlMessage, WorkerContext
 from hpc_verl.dataflow.graph import DataflowRunError
 from hpc_verl.errors import DataflowError
 
@@ -274,6 +274,22 @@ class DataflowWorker:
                     pass
             return {"bytes": sent, "seconds": time.perf_counter() - t0}
 
+    @ray.method(concurrency_group="control")
+    def sync_send_snapshot(self, key: str, src_node: str, data_type: str, version: int, dtype: str | None,
+                           bucket_bytes: int) -> dict[str, Any]:
+        """Broadcast the source's frozen copy of ``version`` (SNAPSHOT), beside whatever item the
+        default thread runs: the snapshot is not the live model, so no lock is needed."""
+        import torch
+
+        from hpc_verl.dataflow import distgroup
+
+        src = self.hosted[src_node]
+        entry = self.sync[key]
+        t0 = time.perf_counter()
+        sent = distgroup.send_buckets(entry["pg"], src.obj.export_snapshot(data_type, version), entry["device"],
+                                      getattr(torch, dtype) if dtype else None, bucket_bytes)
+        return {"bytes": sent, "seconds": time.perf_counter() - t0}
+
     def sync_recv(self, key: str, node: str, edge: str, version: int) -> dict[str, Any]:
         from hpc_verl.dataflow import distgroup
 
@@ -309,8 +325,7 @@ class DataflowWorker:
                     envs = ray.get(list(arg))
                     t_in = time.time()
                     t_done = max(e[0] for e in envs)
-                    collect = desc["src_collect"] or spmd.concat
-                    values = [collect([e[1][j] for e in envs]) for j in range(len(envs[0][1]))]
+                    values = spmd.gather_items([e[1] for e in envs], desc["src_collect"])
                 else:
                     t_done, values = arg[0], arg[1]
                 buf = h.latency.get(desc["key"])
@@ -366,7 +381,7 @@ class DataflowWorker:
             return None
         if self.spec.get("group") and self.rank:
             return None  # every rank of a group emits the same; rank 0 speaks for it
-        return [(dt, v, p if p is TENSORS else ray.put(p)) for dt, v, p in emitted]
+        return [(dt, v, p if p is TENSORS or p is SNAPSHOT else ray.put(p)) for dt, v, p in emitted]
 
     def call(self, node: str, method: str, args: tuple, kwargs: dict, required: dict | None = None) -> tuple[Any, Any]:
         """Call a method of a hosted object; returns (result, emitted control)."""

@@ -58,7 +58,7 @@ def chart_lines(curve: Curve, width: int = 60, height: int = 8) -> list[str]:
     buckets = [values[i * n // cols:(i + 1) * n // cols] or [values[min(i * n // cols, n - 1)]] for i in range(cols)]
     means = [sum(b) / len(b) for b in buckets]
     lo, hi = min(means), max(means)
-    if curve.key.startswith("reward"):  # rewards live in [0, 1]: keep the scale fixed so runs compare
+    if curve.key.startswith(("reward", "critic/score")):  # scores live in [0, 1]: a fixed scale, runs compare
         lo, hi = min(lo, 0.0), max(hi, 1.0)
     span = (hi - lo) or 1.0
     eighths = [round((m - lo) / span * height * 8) for m in means]

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hpc_verl.ops import gpu_check as G
+from hpc_verl.ops import gpu_model as G
 
 CHECKS = ("model", "actor_update_fsdp2", "weight_handover", "actor_update_ddp", "critic_forward", "ref_forward",
           "rollout_hf", "ulysses_sp1", "ulysses_sp2")

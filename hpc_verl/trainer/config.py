@@ -414,7 +414,20 @@ def batch_problems_for(cfg: Mapping) -> list[str]:
     for role in BATCH_ROLES:
         g = topo.group_of(role)
         sizes[role] = g.world_size if g else 1
-    return batch_problems(cfg, sizes)
+    problems = batch_problems(cfg, sizes)
+    tbs, n = cfg["data"]["train_batch_size"], cfg["actor_rollout_ref"]["rollout"]["n"]
+    for role, key, sp_key in (("actor", "actor_rollout_ref.actor.ppo_mini_batch_size",
+                               "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"),
+                              ("critic", "critic.ppo_mini_batch_size", "critic.fsdp.ulysses_sequence_parallel_size")):
+        if role == "critic" and not cfg["critic"]["enable"]:
+            continue
+        mini = get_path(cfg, key)
+        dp = max(1, sizes[role] // max(1, int(get_path(cfg, sp_key) or 1)))
+        if isinstance(mini, int) and 0 < mini < tbs and tbs % mini and ((tbs % mini) * n) % dp:
+            problems.append(f"data.train_batch_size ({tbs}) is not a multiple of {key} ({mini}): its last, "
+                            f"smaller mini-batch ({tbs % mini} x n={n} responses) does not split over the "
+                            f"{dp} data-parallel ranks of the {role}; make the train batch a multiple of it")
+    return problems
 
 
 def validate_for_run(cfg: Mapping) -> None:

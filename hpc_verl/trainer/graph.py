@@ -143,8 +143,6 @@ class DataflowRunner:
             pkg_parent = str(Path(__file__).resolve().parents[2])
             env = {"PYTHONPATH": os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])),
                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-            if os.environ.get("HPC_VERL_DIST_PORTS"):
-                env["HPC_VERL_DIST_PORTS"] = os.environ["HPC_VERL_DIST_PORTS"]
             if address:
                 ray.init(address=address, namespace="hpc_verl", runtime_env={"env_vars": env},
                          log_to_driver=True)

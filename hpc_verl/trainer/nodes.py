@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_verl.dataflow.context import TENSORS
+from hpc_verl.dataflow.context import SNAPSHOT, TENSORS
 from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import workers as W
 from hpc_verl.trainer.lm import can_share_prompts, response_log_probs
 from hpc_verl.trainer.model import quiet_transformers
-from hpc_verl.trainer.rollout import make_rollout_worker
 
 POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
 
@@ -42,6 +41,15 @@ def _sum_counts(*parts: dict | None) -> dict[str, int]:
         for key, value in (part or {}).items():
             out[key] = out.get(key, 0) + (sum(value) if isinstance(value, list) else int(value))
     return out
+
+
+def make_rollout_worker(cfg: dict) -> Any:
+    """The configured rollout (``rollout.name``); vllm without vLLM or GPUs is one clear error."""
+    if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":
+        from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
+        return VLLMRolloutWorker(cfg)
+    from hpc_verl.trainer.rollout import RolloutWorker
+    return RolloutWorker(cfg)
 
 
 class RolloutNode:
@@ -68,7 +76,6 @@ class RolloutNode:
         merged = dict(shard)
         merged.update(out)
         merged["policy_version"] = self.worker.version
-        merged["context_version"] = int(ctx.versions.get(POLICY_EDGE, self.worker.version))
         rows = len(shard["prompt_ids"])
         merged["replicas"] = [{"replica": ctx.index, "rows": rows, "gen_time_s": out["gen_time_s"][0],
                                "tokens": out["n_response_tokens"][0]}]
@@ -111,6 +118,19 @@ class _Ulysses:
 
     def set_ulysses(self, enabled: bool) -> None:
         self.worker.set_ulysses(enabled)
+
+    def check_ulysses_off(self) -> str | None:
+        """Why the batches could not be split over all ranks without Ulysses (None: they can)."""
+        import copy
+
+        from hpc_verl.trainer.config import batch_problems_for
+        cfg = copy.deepcopy(self.worker.cfg)
+        cfg["actor_rollout_ref"]["actor"]["fsdp_config"]["ulysses_sequence_parallel_size"] = 1
+        cfg["actor_rollout_ref"]["actor"]["ulysses_sequence_parallel_size"] = 1
+        cfg["critic"]["fsdp"]["ulysses_sequence_parallel_size"] = 1
+        cfg["critic"]["ulysses_sequence_parallel_size"] = 1
+        problems = batch_problems_for(cfg)
+        return problems[0] if problems else None
 
 
 class RefNode(_Ulysses):
@@ -238,6 +258,10 @@ class ActorNode(_Ulysses):
         quiet_transformers()
         self.worker = W.ActorWorker(cfg, total_steps)
         self.cfg = cfg
+        # one-step-off-policy: each version's weights frozen after its update (rank 0), so the
+        # broadcast of version v can run while version v+1 trains
+        self.overlap = bool(cfg["hpc_verl"]["one_step_off_policy"])
+        self._snapshots: dict[int, list] = {}
 
     def process(self, joined: dict) -> dict:
         batch = dict(joined["actor_rollout"])
@@ -248,7 +272,7 @@ class ActorNode(_Ulysses):
         mask = batch["response_mask"]
         own_rows = 0
         if self.cfg["hpc_verl"]["old_log_prob_from_rollout"] and "rollout_log_prob" in batch:
-            # same weights (the version check guarantees it), same float32 maths: skip the extra forward
+            # the sampler's log-probs (the behaviour policy's, checked by version): skip the extra forward
             batch["old_log_prob"] = batch["rollout_log_prob"]
         else:
             lp, _ = self.worker.compute_log_prob(batch)
@@ -258,7 +282,11 @@ class ActorNode(_Ulysses):
         step = int(batch.get("step", 0))
         if step > int(self.cfg["trainer"]["critic_warmup"]):
             update = self.worker.update_policy(batch, step=step)
-            _context().emit_control(TENSORS, self.worker.version)
+            if self.overlap:
+                self._freeze(self.worker.version)
+                _context().emit_control(SNAPSHOT, self.worker.version)
+            else:
+                _context().emit_control(TENSORS, self.worker.version)
         else:  # trainer.critic_warmup: the critic learns first, the policy (and its version) stays
             update = {"counts": {}, "actor/policy_version": self.worker.version}
         counts = _sum_counts(update.pop("counts"), {"fwd_rows": own_rows}, adv_src.get("counts"),
@@ -278,6 +306,7 @@ class ActorNode(_Ulysses):
             "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
             "rollout/policy_version": int(batch["policy_version"]),
             "n_responses": int(mask.shape[0]), "n_response_tokens": int(mask.sum()),
+            "n_total_tokens": int(batch["attention_mask"].sum()),   # prompt + response (verl's global_token_num)
             "timing_s/gen": float(max(batch.get("gen_time_s", [0.0]))),
             "rollout/replicas": len(batch.get("replicas", [])),
             "perf/fwd_rows": counts.get("fwd_rows", 0), "perf/bwd_rows": counts.get("bwd_rows", 0),
@@ -287,6 +316,19 @@ class ActorNode(_Ulysses):
 
     def export_tensors(self, data_type: str) -> Any:
         return self.worker.export_tensors()
+
+    def _freeze(self, version: int) -> None:
+        """A copy of this version's full weights (every rank takes part in the gathers; rank 0 keeps
+        it); the versions two behind are dropped (at most one transfer is in flight)."""
+        keep = _context().rank == 0
+        frozen = [(n, t.detach().to("cpu", copy=True)) for n, t in self.worker.export_tensors() if keep]
+        if keep:
+            self._snapshots[version] = frozen
+        for old in [v for v in self._snapshots if v < version - 1]:
+            del self._snapshots[old]
+
+    def export_snapshot(self, data_type: str, version: int) -> Any:
+        return iter(self._snapshots.get(version, []))
 
     def get_version(self) -> int:
         return self.worker.version

@@ -25,6 +25,10 @@ from hpc_verl.trainer.metrics import MetricsLog, StepProgress, summary_table
 
 log = logging.getLogger("hpc_verl.trainer")
 
+class StepError(HpcVerlError):
+    """A step broke an invariant of the run (a policy version out of order)."""
+
+
 CHECKPOINT_FORMAT = 2   # sharded actor/critic directories (1: whole-model actor.pt, before worker groups)
 
 
@@ -74,7 +78,8 @@ class PPOTrainer:
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.batches_per_epoch
         self.n = cfg.actor_rollout_ref.rollout.n
         self.overlap = bool(cfg.hpc_verl.one_step_off_policy)
-        self.n_devices = max(1, topology(cfg).groups[topology(cfg).role_group["actor"]].world_size)
+        # every device of the job (verl's perf/throughput divides by them): CPU ranks on trainer.device=cpu
+        self.n_devices = max(1, cfg.trainer.nnodes * max(1, cfg.trainer.n_gpus_per_node))
         self.step = 0
         self.version = 0
         random.seed(t.seed)
@@ -127,7 +132,9 @@ class PPOTrainer:
         if "adv" in parts:
             self.runner.call(self.adv_node, "load_state_dict", parts["adv"])
         version = self.runner.call("actor_update", "get_version")
-        assert version == self.version, (version, self.version)
+        if version != self.version:
+            raise CheckpointError(f"checkpoint {path}: the actor's state is policy version {version} but the "
+                                  f"trainer state says {self.version}; the checkpoint is inconsistent")
         if self.version > 0:
             self.runner.publish_policy(self.version)
         self.resumed_from = path
@@ -184,22 +191,23 @@ class PPOTrainer:
         after = int(m.get("actor/policy_version", self.version))
         trained_at = after - 1 if "actor/pg_loss" in m else after   # (trainer.critic_warmup: no update)
         if used != batch["required_version"]:
-            raise RuntimeError(f"step {batch['step']}: rollout used policy version {used}, expected "
-                               f"{batch['required_version']}")
+            raise StepError(f"step {batch['step']}: rollout used policy version {used}, expected "
+                            f"{batch['required_version']}")
         staleness = trained_at - int(used)
         if staleness > (1 if self.overlap else 0):
-            raise RuntimeError(f"step {batch['step']}: trained on samples of policy version {used} at version "
+            raise StepError(f"step {batch['step']}: trained on samples of policy version {used} at version "
                                f"{trained_at} ({staleness} behind; the bound is {1 if self.overlap else 0})")
         self.version = int(m.get("actor/policy_version", self.version))
         self.step += 1
         dt = time.perf_counter() - t0
         tokens = m.get("n_response_tokens", 0)
+        total = m.get("n_total_tokens", tokens)
         m.update({"step": self.step, "epoch": batch["epoch"], "training/global_step": self.step,
                   "training/epoch": batch["epoch"], "run/start_step": self.start_step,
                   "policy_version": self.version, "rollout/staleness": staleness,
                   "data/first_index": batch["sample_index"][0], "timing_s/step": dt,
-                  "perf/time_per_step": dt, "perf/total_num_tokens": tokens,
-                  "perf/throughput": tokens / dt / self.n_devices,   # verl: tokens/s per device
+                  "perf/time_per_step": dt, "perf/total_num_tokens": total,   # verl: prompt + response tokens
+                  "perf/throughput": total / dt / self.n_devices,   # verl: those per second per device
                   "perf/samples_per_s": m.get("n_responses", 0) / dt, "perf/tokens_per_s": tokens / dt})
         m.update(self._dataflow_metrics())
         return m

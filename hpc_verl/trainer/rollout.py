@@ -2,9 +2,9 @@
 (or vLLM behind the same calls, GPU only: ``vllm_rollout``).
 
 A replica generates for its shard of the batch. Its sampling generator is seeded
-from (trainer.seed, step, the shard's first row), so what a row gets sampled
-depends on the data and the step, not on how many replicas there are, and a
-resumed run needs no generator state. Weights arrive as ``(name, tensor)``
+from (trainer.seed, step, the shard's first row): reproducible for a given layout,
+and a resumed run needs no generator state (a different replica count draws
+different samples). Weights arrive as ``(name, tensor)``
 pairs (``load_tensors``) from the actor's tensor transport, with the version.
 """
 from __future__ import annotations
@@ -78,8 +78,10 @@ class RolloutWorker:
         prompts: list[list[int]] = batch["prompt_ids"]
         pad = self.tokenizer.pad_token_id
         eos = self.tokenizer.eos_token_id
-        width = int(batch.get("prompt_width") or max(len(p) for p in prompts))
+        width = int(batch.get("prompt_width") or max((len(p) for p in prompts), default=1))
         ids, attn = _left_pad(prompts, width, pad)
+        if not prompts:   # a replica whose shard is empty (fewer prompt groups than replicas)
+            return self._empty(width)
         gen = torch.Generator(device="cpu")
         gen.manual_seed((self.seed * 1_000_003 + int(batch.get("step", 0)) * 7919 + first_row) % 2**63)
         t0 = time.perf_counter()
@@ -103,6 +105,15 @@ class RolloutWorker:
         if sample_log_prob is not None:
             out["rollout_log_prob"] = sample_log_prob * resp_mask
         return out
+
+    def _empty(self, width: int) -> dict:
+        """The outputs of a replica with no rows: the right shapes, nothing in them."""
+        torch = torch_mod()
+        ids = torch.zeros((0, width + self.response_length), dtype=torch.long)
+        resp = torch.zeros((0, self.response_length), dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": ids.clone(), "position_ids": ids.clone(), "responses": resp,
+                "response_mask": resp.float(), "response_text": [], "policy_version": self.version,
+                "gen_time_s": [0.0], "n_response_tokens": [0], "rollout_log_prob": resp.float()}
 
     def _sample(self, ids: Any, attn: Any, eos: int, pad: int, gen: Any, greedy: bool) -> Any:
         torch = torch_mod()
@@ -168,11 +179,3 @@ def _sample_logits(logits: Any, temperature: float, top_k: int, top_p: float, ge
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, -1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-
-
-def make_rollout_worker(cfg: dict) -> RolloutWorker:
-    """The configured rollout; ``rollout.name=vllm`` without vLLM or GPUs is one clear error."""
-    if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":
-        from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
-        return VLLMRolloutWorker(cfg)
-    return RolloutWorker(cfg)

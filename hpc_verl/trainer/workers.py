@@ -107,10 +107,12 @@ class _Trainable(_SequenceParallel):
         torch = torch_mod()
         self.model = TrainModel(module, strategy, self.par, param_offload=bool(fsdp_cfg.get("param_offload")),
                                 reshard_after_forward=bool(fsdp_cfg.get("reshard_after_forward", True)))
-        self.optimizer_offload = bool(fsdp_cfg.get("optimizer_offload")) and self.device == "cuda"
+        # with param_offload the parameters, so the optimizer state too, already live on the CPU
+        self.optimizer_offload = (bool(fsdp_cfg.get("optimizer_offload")) and self.device == "cuda"
+                                  and not fsdp_cfg.get("param_offload"))
         # one fused kernel per step (what transformers' Trainer picks on torch >= 2.8) instead of a
         # Python loop over every tensor; sharded (DTensor) or offloaded state keeps the default
-        fused = not self.model.sharded and not self.optimizer_offload
+        fused = not self.model.sharded and not self.optimizer_offload and not fsdp_cfg.get("param_offload")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim_cfg["lr"],
                                            betas=tuple(optim_cfg["betas"]), weight_decay=optim_cfg["weight_decay"],
                                            fused=fused or None)

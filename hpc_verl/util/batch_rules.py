@@ -109,7 +109,7 @@ def _sp(cfg: Mapping[str, Any], section: str, world: int, problems: list[str]) -
 
 
 def batch_problems(cfg: Mapping[str, Any], dp_sizes: Mapping[str, int], *, gpus_per_node: int = 0,
-                   replica_may_span: bool = False) -> list[str]:
+                   replica_may_span: bool = False, pairs: bool = True) -> list[str]:
     """Problems (one line each, with the numbers and a fix) of a PPO config on these worker groups.
 
     ``dp_sizes[role]`` (roles in ``ROLES``) is the number of ranks the role's batch is
@@ -119,7 +119,9 @@ def batch_problems(cfg: Mapping[str, Any], dp_sizes: Mapping[str, int], *, gpus_
     missing role means CPU: one worker does everything and no per-GPU split is
     checked. ``gpus_per_node`` > 0 adds the rollout tensor-parallel check (a group must
     sit inside one node; ``replica_may_span``: upstream verl runs a replica larger than a
-    node, judged by hpc_verl.verl_upstream.findings instead). ``cfg`` is nested or flat
+    node, judged by hpc_verl.verl_upstream.findings instead). ``pairs=False`` leaves a
+    micro-batch key set together with its ``_per_gpu`` twin to the caller (upstream verl's
+    findings know what verl does with both). ``cfg`` is nested or flat
     (``{"data.train_batch_size": 8}``).
     """
     problems: list[str] = []
@@ -135,9 +137,9 @@ def batch_problems(cfg: Mapping[str, Any], dp_sizes: Mapping[str, int], *, gpus_
         problems += _tensor_parallel(cfg, gpus_per_node, replica_may_span)
     for role in active:
         if not _dynamic(cfg, _SECTION[role]):
-            problems += _update_batches(cfg, role, tbs, n, worlds[role])
+            problems += _update_batches(cfg, role, tbs, n, worlds[role], pairs)
     if not _dynamic(cfg, ACTOR):
-        problems += _log_prob_batches(cfg, worlds["rollout"])
+        problems += _log_prob_batches(cfg, worlds["rollout"], pairs)
     return problems
 
 
@@ -176,7 +178,7 @@ def _tensor_parallel(cfg: Mapping[str, Any], gpus_per_node: int, may_span: bool 
     return problems
 
 
-def _update_batches(cfg: Mapping[str, Any], role: str, tbs: int, n: int, world: int) -> list[str]:
+def _update_batches(cfg: Mapping[str, Any], role: str, tbs: int, n: int, world: int, pairs: bool = True) -> list[str]:
     """Mini-batch over the data-parallel ranks, micro-batches inside it (PPO updates)."""
     section = _SECTION[role]
     out: list[str] = []
@@ -193,8 +195,10 @@ def _update_batches(cfg: Mapping[str, Any], role: str, tbs: int, n: int, world: 
     if out:
         return out
     if micro_global is not None and micro is not None:
-        return [f"{section}: set only one of ppo_micro_batch_size and ppo_micro_batch_size_per_gpu "
-                "(the first is deprecated in verl)"]
+        if pairs:
+            return [f"{section}: set only one of ppo_micro_batch_size and ppo_micro_batch_size_per_gpu "
+                    "(the first is deprecated in verl)"]
+        micro_global = None   # the caller judges the pair; check the per-GPU one
     sp = _sp(cfg, section, world, out)
     ranks = max(world, 1)
     if ranks % sp:
@@ -224,15 +228,15 @@ def _update_batches(cfg: Mapping[str, Any], role: str, tbs: int, n: int, world: 
     return out
 
 
-def _log_prob_batches(cfg: Mapping[str, Any], world: int) -> list[str]:
+def _log_prob_batches(cfg: Mapping[str, Any], world: int, pairs: bool = True) -> list[str]:
     """The rollout's log-prob pass: one micro-batch setting, and at least one sample per GPU."""
     out: list[str] = []
     key, per_gpu_key = f"{ROLLOUT}.log_prob_micro_batch_size", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"
     micro_global, micro = _positive(cfg, key, out), _positive(cfg, per_gpu_key, out)
-    if micro_global is not None and micro is not None:
+    if micro_global is not None and micro is not None and pairs:
         out.append(f"{ROLLOUT}: set only one of log_prob_micro_batch_size and log_prob_micro_batch_size_per_gpu "
                    "(the first is deprecated in verl)")
-    elif micro_global is not None and world > 0:
+    elif micro_global is not None and micro is None and world > 0:
         sp = _sp(cfg, ACTOR, world, out)
         dp = max(1, world // sp)
         if micro_global < dp:
@@ -242,9 +246,9 @@ def _log_prob_batches(cfg: Mapping[str, Any], world: int) -> list[str]:
 
 
 def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int,
-                         replica_may_span: bool = False) -> list[str]:
+                         replica_may_span: bool = False, pairs: bool = True) -> list[str]:
     """``batch_problems`` for verl's layout: every role on all ``nnodes × gpus_per_node`` GPUs
     (0 GPUs per node: a CPU job, one worker)."""
     gpus = max(0, nnodes * gpus_per_node)
     return batch_problems(cfg, {role: gpus for role in ROLES}, gpus_per_node=gpus_per_node,
-                          replica_may_span=replica_may_span)
+                          replica_may_span=replica_may_span, pairs=pairs)

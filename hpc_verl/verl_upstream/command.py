@@ -116,7 +116,8 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
         resolved.update(_flat_values(all_parsed))
     else:
         resolved = _flat_values(parsed)
-    problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node, replica_may_span=True)
+    # (a micro-batch pair, and a replica spanning nodes, are verl_upstream.findings' to judge)
+    problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node, replica_may_span=True, pairs=False)
     if problems:
         raise ConfigError(f"{job_label} on {alloc.source}: {one_line(problems)}")
     cmd.resolved = resolved

@@ -9,8 +9,8 @@ API and held clusters only ever talk to :class:`Backend`:
   says what would run (``hpc-verl submit --dry-run`` prints it);
 - ``submit(dry) -> JobRecord``: send exactly that; the record gets the job id;
 - ``describe(record) -> JobInfo``, ``logs(record, node, follow)``,
-  ``cancel(record)``: operations on a registered job, chosen by the record's
-  ``scheduler`` (``backends.for_record``).
+  ``cancel(record)``, ``attach(record, node, command)``: operations on a
+  registered job, chosen by the record's ``scheduler`` (``backends.for_record``).
 
 Backends are registered by name in ``backends/__init__.py``; the pattern is
 torchx's ``Scheduler`` (``submit_dryrun`` → ``schedule``, ``describe``,
@@ -229,6 +229,14 @@ class Backend(ABC):
             raise SubmitError(f"job {self.ref(record)} was a dry run; nothing to cancel")
         return self._cancel(record)
 
+    def attach(self, record: JobRecord, node: Optional[str] = None, command: Sequence[str] = ()) -> int:
+        """Run ``command`` (default: an interactive shell) inside the running job, on its head node or
+        ``node`` (an index, 0 = head, or a name), with the job's environment (RAY_ADDRESS, its token
+        variables); returns the command's exit status."""
+        if record.dry_run:
+            raise JobNotFoundError(f"job {self.ref(record)} was a dry run; there is nothing to attach to")
+        return self._attach(record, node, list(command))
+
     def jobs_api(self, record: JobRecord) -> tuple[str, str]:
         """(Ray Jobs address, token file) of a job that holds a Ray cluster (``hpc-verl cluster up``)."""
         raise SubmitError(f"job {self.ref(record)} ({self.scheduler}) holds no Ray cluster; "
@@ -246,3 +254,6 @@ class Backend(ABC):
 
     def _status_details(self, record: JobRecord, info: JobInfo) -> Mapping[str, Any]:
         return info.details
+
+    def _attach(self, record: JobRecord, node: Optional[str], command: list[str]) -> int:
+        raise SubmitError(f"job {self.ref(record)} ({self.scheduler}) cannot be attached to")

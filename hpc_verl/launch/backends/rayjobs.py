@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence, TextIO
 from hpc_verl.errors import ConfigError, JobNotFoundError
 from hpc_verl.launch import registry
 from hpc_verl.launch.backends import rayjobs_api as api
+from hpc_verl.launch.backends import upload
 from hpc_verl.launch.backends.base import Backend, DryRun, JobInfo, JobState, SubmitRequest
 from hpc_verl.launch.registry import JobRecord
 from hpc_verl.launch.spec.jobconfig import RayJobOptions, TrainerSpec
@@ -125,13 +126,18 @@ def new_submission_id(name: str) -> str:
 
 def runtime_env_for(driver: DriverSpec, profile_env: Mapping[str, Any], options: RayJobOptions,
                     base_dir: Optional[str | Path] = None) -> dict[str, Any]:
-    """profile environment (NCCL block etc.) + the job's own env, files and packages."""
+    """profile environment (NCCL block etc.) + the job's own env, files and packages; when files
+    are uploaded, the upload guard's default excludes before the job's own (``upload.excludes_for``)."""
     env_vars = {**{k: str(v) for k, v in profile_env.items()}, **options.env_vars}
     py_modules = list(options.py_modules)
     if options.ships_hpc_verl(driver.runs_hpc_verl):
         py_modules.append(hpc_verl_package_dir())
-    return build_runtime_env(env_vars, working_dir=options.working_dir, pip=options.pip, py_modules=py_modules,
-                             excludes=options.excludes, base_dir=base_dir)
+    env = build_runtime_env(env_vars, working_dir=options.working_dir, pip=options.pip, py_modules=py_modules,
+                            base_dir=base_dir)
+    if env.get("working_dir") or env.get("py_modules"):
+        env["excludes"] = upload.excludes_for(options.excludes, [p for p in env.get("py_modules", [])
+                                                                if "://" not in p])
+    return env
 
 
 # The launcher's derived trainer overrides (render.derived_overrides spells them as shell
@@ -190,6 +196,7 @@ class RaySubmission:
     entrypoint_num_cpus: Optional[float] = None
     entrypoint_num_gpus: Optional[float] = None
     skipped_overrides: list[str] = field(default_factory=list)
+    uploads: list[upload.Upload] = field(default_factory=list, repr=False)  # measured by the upload guard
 
     def summary(self) -> str:
         env = self.runtime_env
@@ -197,6 +204,9 @@ class RaySubmission:
                  f"driver    {self.entrypoint}",
                  f"runtime   env_vars {len(env.get('env_vars', {}))}, working_dir {env.get('working_dir', '-')}, "
                  f"py_modules {len(env.get('py_modules', []))}, pip {len(env.get('pip', []))}"]
+        if self.uploads:
+            lines.append("upload    " + ", ".join(u.line() for u in self.uploads)
+                         + f" (Ray's limit: {upload.mib(upload.upload_limit_bytes())} each)")
         if self.skipped_overrides:
             lines.append(f"left out  {', '.join(self.skipped_overrides)} (no profile: the trainer config decides)")
         return "\n".join(lines)
@@ -269,11 +279,13 @@ class RayJobsBackend(Backend):
         base_dir = Path(job.source).resolve().parent if job.source and Path(job.source).is_file() else None
         profile_env = {name: value for name, value, _why in env_block(profile)} if profile is not None else {}
         opts = job.ray_job
+        runtime_env = runtime_env_for(driver, profile_env, opts, base_dir)
+        uploads = upload.check_uploads(runtime_env)  # over Ray's limit: one line now, nothing sent
         return RaySubmission(address=address, submission_id=new_submission_id(job.name), entrypoint=driver.entrypoint(),
-                             runtime_env=runtime_env_for(driver, profile_env, opts, base_dir), token_file=token_file,
+                             runtime_env=runtime_env, token_file=token_file,
                              metadata={"hpc_verl_name": job.name, "hpc_verl_profile": profile.name if profile else ""},
                              entrypoint_num_cpus=opts.entrypoint_num_cpus, entrypoint_num_gpus=opts.entrypoint_num_gpus,
-                             skipped_overrides=skipped)
+                             skipped_overrides=skipped, uploads=uploads)
 
     def submit(self, dry: DryRun) -> JobRecord:
         sub: RaySubmission = dry.payload
@@ -351,6 +363,11 @@ class RayJobsBackend(Backend):
             print(f"hpc-verl: job {self.ref(record)} {how}", file=sys.stderr)
             return 1
         return 0
+
+    def _attach(self, record: JobRecord, node: Optional[str], command: list[str]) -> int:
+        raise ConfigError(f"job {self.ref(record)} is a Ray job: a driver inside someone's Ray cluster, with no "
+                          "container or allocation of its own to attach to; attach to the cluster's own job "
+                          "instead ('hpc-verl attach CLUSTER_JOB' for one held by 'hpc-verl cluster up')")
 
     def _cancel(self, record: JobRecord) -> str:
         h = self.handle(record)

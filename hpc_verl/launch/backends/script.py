@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, Optional, Sequence, TextIO
@@ -143,6 +145,28 @@ class ScriptBackend(Backend):
             out.update(jobs_address=record.ray_address, token_file=record.token_file)
         return out
 
+    # -------------------------------------------------------------- attach
+    def attach_command(self, record: JobRecord, node: str, script: Path, command: list[str],
+                       tty: bool) -> list[str]:
+        """The command that runs the job's attach script on ``node``: here, for a job on this machine."""
+        return ["bash", str(script), *command]
+
+    def _attach(self, record: JobRecord, node: Optional[str], command: list[str]) -> int:
+        """The job's ``attach.sh`` (written by the job itself, see templates/partials/attach.sh.j2) on
+        the chosen node: its environment, the Ray address and token, the runtime's exec."""
+        ref = self.ref(record)
+        info = self.describe(record)
+        if info.state is not JobState.RUNNING:
+            then = "it has ended" if info.terminal else f"wait until it runs ('hpc-verl status {ref}')"
+            raise SubmitError(f"job {ref} is {info.label}, not running: nothing to attach to; {then}")
+        script = Path(record.run_dir) / "attach.sh"
+        if not script.is_file():
+            raise SubmitError(f"job {ref} has not written {script} yet (it does right after its validate stage; "
+                              "a job from an hpc-verl before 'attach' never does); try again in a moment")
+        target = pick_node(node_list(info.nodes), node, ref)
+        argv = self.attach_command(record, target, script, command, sys.stdin.isatty())
+        return subprocess.call(argv, env={**os.environ, **record.env()})
+
     def jobs_api(self, record: JobRecord) -> tuple[str, str]:
         """A cluster job's Ray Jobs address and token file (``ray/cluster.json``), or why it has none yet."""
         from hpc_verl.bootstrap.raydir import read_cluster_info
@@ -165,3 +189,24 @@ def set_run_paths(record: JobRecord, job_id: int, batch_log: Optional[str] = Non
     record.batch_log = batch_log or str(Path(record.job_dir) / f"{record.name}-{job_id}.out")
     record.dry_run = False
     record.save()
+
+
+def node_list(nodes: str) -> list[str]:
+    """A job's nodes, head first (SLURM's order: the batch script's head is the first of them)."""
+    from hpc_verl.bootstrap.hostlist import expand_hostlist
+
+    return expand_hostlist(nodes) if nodes and nodes != "(null)" else []
+
+
+def pick_node(nodes: list[str], node: Optional[str], ref: str) -> str:
+    """``node``: None (the head), an index into ``nodes`` (0 = head) or a node's name."""
+    if not nodes:
+        raise SubmitError(f"job {ref}: the scheduler names no node of it yet; try again in a moment")
+    if node is None:
+        return nodes[0]
+    if node in nodes:
+        return node
+    if node.isdigit() and int(node) < len(nodes):
+        return nodes[int(node)]
+    listed = ", ".join(f"{i}: {n}" for i, n in enumerate(nodes))
+    raise JobNotFoundError(f"job {ref} has no node '{node}'; --node takes an index or a name ({listed}; 0 is the head)")

@@ -113,6 +113,17 @@ def scancel(job_id: int, signal: str | None = None, batch_only: bool = False,
     _run([*cmd, str(job_id)], env=env)
 
 
+def srun_in_job(job_id: int, node: str, argv: list[str], *, pty: bool = False,
+                extra: list[str] | None = None) -> list[str]:
+    """The ``srun`` line that runs ``argv`` as one more task on ``node`` of a running job, beside its
+    own steps (``--overlap``: it shares their CPUs, memory and GPUs instead of waiting for them)."""
+    if shutil.which("srun") is None:
+        raise SubmitError("'srun' not found on PATH; run hpc-verl on a SLURM login node "
+                          "(or install slurm-wlm; see scripts/setup.sh)")
+    return ["srun", "--overlap", f"--jobid={job_id}", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+            *(["--pty"] if pty else []), *(extra or []), *argv]
+
+
 def release_requeued(job_id: int, env: Mapping[str, str] | None = None) -> None:
     """Let a requeued job start now instead of after SLURM's requeue delay (BeginTime)."""
     _run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=env)
@@ -143,6 +154,15 @@ class SlurmBackend(ScriptBackend):
     def _cancel(self, record: JobRecord) -> str:
         scancel(record.job_id, env=record.env())
         return f"cancelled job {record.job_id}"
+
+    def attach_command(self, record: JobRecord, node: str, script: Path, command: list[str],
+                       tty: bool) -> list[str]:
+        """The attach script as a task of the job on ``node`` (with a pseudo-terminal when we have
+        one), plus the srun options the job asks for (pyxis: its container's name)."""
+        extra = subprocess.run(["bash", str(script), "--srun-args"], capture_output=True, text=True,
+                               timeout=30).stdout.split("\0")
+        return srun_in_job(record.job_id, node, ["bash", str(script), *command], pty=tty,
+                           extra=[a for a in extra if a])
 
 
 class SubmititBackend(SlurmBackend):

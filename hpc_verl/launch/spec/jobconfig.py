@@ -107,8 +107,10 @@ class RayJobOptions:
                           item_check=non_empty)
     py_modules: list[str] = spec(default_factory=list, doc="local packages shipped to the cluster",
                                  item_check=non_empty)
-    excludes: list[str] = spec(default_factory=lambda: [".git", "__pycache__", "*.pyc"],
-                               doc="files the working_dir upload leaves out", item_check=non_empty)
+    excludes: list[str] = spec(default_factory=list, doc="more files the upload leaves out (gitignore patterns "
+                               "relative to the working_dir), after the defaults (.git, weights, checkpoints, /data/, "
+                               "run dirs: docs/rayjobs.md); `!PATTERN` uploads a default-excluded path",
+                               item_check=non_empty)
     env_vars: dict[str, str] = spec(default_factory=dict, doc="more environment for the driver and its workers",
                                     key_check=matches(_ENV_NAME_RE, "a variable name like WANDB_MODE"))
     ship_hpc_verl: Any = spec("auto", doc="ship this hpc_verl as a py_module: `auto` (when the driver is "

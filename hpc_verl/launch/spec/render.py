@@ -45,7 +45,14 @@ def templates_dir() -> Path:
 
 
 def shquote(value: Any) -> str:
-    """Quote one value for bash (single quotes; booleans as true/false)."""
+    """Quote one value for bash: a literal, whatever it holds (booleans as true/false).
+
+    Plain single quotes (``shlex.quote``), except for a value holding ``$``, a backtick or a
+    backslash: that one becomes bash's ``$'...'`` literal (only ``\\`` and ``'`` escaped). Both
+    mean the same to bash, but shellcheck takes ``'a $(b)'`` for a forgotten expansion (SC2016)
+    and ``'a\'`` for a botched escape (SC1003), and knows that ``$'...'`` holds neither, so a
+    script with such a user value passes shellcheck while the same text in a template is still
+    reported."""
     if value is None or isinstance(value, jinja2.Undefined):
         raise RenderError("internal: an unset value reached the shell quoting filter; please report this")
     if isinstance(value, bool):
@@ -53,6 +60,8 @@ def shquote(value: Any) -> str:
     text = str(value)
     if "\x00" in text:
         raise RenderError(f"value {text!r} contains a NUL character and cannot be passed to the shell")
+    if any(c in text for c in "$`\\"):
+        return "$'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return shlex.quote(text)
 
 
