@@ -103,7 +103,8 @@ class RolloutNode:
 
 class RewardNode:
     def __init__(self, cfg: dict) -> None:
-        quiet_transformers()
+        if cfg["reward_model"]["enable"]:   # rule rewards score the rollout's text: no transformers import
+            quiet_transformers()
         self.worker = W.RewardWorker(cfg)
 
     def process(self, batch: dict) -> dict:
