@@ -99,7 +99,8 @@ def test_runtime_specifics():
     roce = build_plan("roce-h100").script
     assert "hpcv_export NCCL_IB_GID_INDEX 3" in roce and "nvidia.com/gpu=$id" in roce
     local = build_plan("local").script
-    assert "#SBATCH" not in local and "srun --" not in local and "setsid bash -c" in local
+    local_code = "\n".join(ln for ln in local.splitlines() if not ln.lstrip().startswith("#"))
+    assert "#SBATCH" not in local and "srun --" not in local_code and "setsid bash -c" in local
 
 
 def test_strict_environment_and_quoting():

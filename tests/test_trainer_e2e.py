@@ -41,6 +41,16 @@ def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+def _train_to_end(args: list[str], log: Path, timeout_s: float = 540) -> None:
+    """Run ``hpc-verl train`` to its end (its whole process group killed afterwards); it must exit 0."""
+    proc = _start_train(args, log)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    finally:
+        _kill_group(proc)
+    assert rc == 0, log.read_text()[-3000:]
+
+
 def _records(run_dir: Path) -> list[dict]:
     f = run_dir / "metrics.jsonl"
     if not f.exists():
@@ -116,12 +126,7 @@ def test_tiny_model_learns_digit_task_through_dataflow(tiny_model, digits_data, 
                                                                      "actor_rollout_ref.actor.strategy=ddp"))
     log = tmp_path / "train.log"
     t0 = time.monotonic()
-    proc = _start_train(args, log)
-    try:
-        rc = proc.wait(timeout=540)
-    finally:
-        _kill_group(proc)
-    assert rc == 0, log.read_text()[-3000:]
+    _train_to_end(args, log)
     rewards = [r["critic/score/mean"] for r in _records(run_dir)]
     assert len(rewards) == 150
     start = sum(rewards[:5]) / 5
@@ -151,12 +156,7 @@ def test_one_step_off_policy_learns_and_is_never_more_than_one_version_behind(ti
         "trainer.seed=1", "trainer.save_freq=100", "trainer.n_gpus_per_node=2",
         "hpc_verl.device_mapping={actor: [0], rollout: [1]}", "hpc_verl.one_step_off_policy=true"))
     log = tmp_path / "train.log"
-    proc = _start_train(args, log)
-    try:
-        rc = proc.wait(timeout=540)
-    finally:
-        _kill_group(proc)
-    assert rc == 0, log.read_text()[-3000:]
+    _train_to_end(args, log)
     recs = _records(run_dir)
     assert [r["step"] for r in recs] == list(range(1, 201))
     stale = [r["rollout/staleness"] for r in recs]

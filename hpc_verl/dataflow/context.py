@@ -6,7 +6,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class _TensorsMarker:
+class _Marker:
+    """A payload sentinel: one instance per class, kept through pickling (``is`` comparisons hold
+    in every process)."""
+
+    _instance: "_Marker | None" = None
+
+    def __new__(cls) -> "_Marker":
+        if cls.__dict__.get("_instance") is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self) -> tuple:
+        return (type(self), ())
+
+    def __repr__(self) -> str:
+        return self.label
+
+    label = "MARKER"
+
+
+class _TensorsMarker(_Marker):
     """Emitted instead of a payload: "my tensors, by the edge's tensor transport".
 
     The source class implements ``export_tensors(data_type)`` (an iterator of
@@ -17,41 +37,19 @@ class _TensorsMarker:
     process group, never through the driver or the object store.
     """
 
-    _instance: "_TensorsMarker | None" = None
-
-    def __new__(cls) -> "_TensorsMarker":
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __reduce__(self) -> tuple:
-        return (_TensorsMarker, ())
-
-    def __repr__(self) -> str:
-        return "TENSORS"
+    label = "TENSORS"
 
 
 TENSORS = _TensorsMarker()
 
 
-class _SnapshotMarker:
+class _SnapshotMarker(_Marker):
     """Emitted instead of TENSORS: "I have frozen a copy of my tensors of this version; ship it
     without waiting". The source implements ``export_snapshot(data_type, version)``; the
     broadcast runs in the source's control thread, beside its next item, so a pipeline of two
     items overlaps (one-step-off-policy training). Only for a destination in another worker group."""
 
-    _instance: "_SnapshotMarker | None" = None
-
-    def __new__(cls) -> "_SnapshotMarker":
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __reduce__(self) -> tuple:
-        return (_SnapshotMarker, ())
-
-    def __repr__(self) -> str:
-        return "SNAPSHOT"
+    label = "SNAPSHOT"
 
 
 SNAPSHOT = _SnapshotMarker()
