@@ -137,6 +137,7 @@ def ours_command(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path, s
         "actor_rollout_ref.model.enable_gradient_checkpointing": "false",
         "actor_rollout_ref.rollout.temperature": 1.0, "actor_rollout_ref.rollout.top_k": -1,
         "actor_rollout_ref.rollout.top_p": 1.0, "algorithm.adv_estimator": "grpo", "trainer.device": "cpu",
+        "trainer.nnodes": 1, "trainer.n_gpus_per_node": 1,   # one CPU rank, one process: as TRL
         "trainer.total_training_steps": steps, "trainer.save_freq": -1, "trainer.resume_mode": "disable",
         "trainer.seed": 0, "hpc_verl.run_dir": run_dir, "hpc_verl.progress": "false",
         "hpc_verl.torch_threads": s["threads"], "hpc_verl.ray_num_cpus": s["cores"],

@@ -104,8 +104,9 @@ def run_submit(a: argparse.Namespace, model: Path, data: Path, work: Path) -> di
 
     cmd = ours_command(workload_settings(a), model, data, Path("unused"), 1)
     overrides = dict(arg.split("=", 1) for arg in cmd[4:])
-    for key in ("actor_rollout_ref.model.path", "data.train_files", "hpc_verl.run_dir"):
-        overrides.pop(key)  # the launcher derives them from the job's model/data and its run dir
+    for key in ("actor_rollout_ref.model.path", "data.train_files", "hpc_verl.run_dir", "trainer.nnodes",
+                "trainer.n_gpus_per_node"):
+        overrides.pop(key)  # the launcher derives them from the job's model/data, its run dir and the allocation
     job = {"name": "startup-bench", "trainer": {"module": "hpc_verl.trainer.main", "overrides": overrides},
            "data": {"dir": str(data)}, "model": {"path": str(model)}}
     cfg = work / "job.yaml"

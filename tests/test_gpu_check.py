@@ -112,7 +112,9 @@ def test_the_whole_suite_runs_on_cpu_at_tiny_size(tmp_path: Path) -> None:
     from hpc_verl.ops.gpu_roles import CHECKS
     assert data["order"] == list(CHECKS) and data["passed"] == len(CHECKS)
     c = data["checks"]
-    assert c["actor_update_fsdp2"]["sharded"] is True and c["actor_update_ddp"]["sharded"] is False
+    # one CPU rank trains the plain module (parallel.shards: FSDP2 at world size 1 on CPU computes the
+    # same plus an unshard/reshard per layer); FSDP2 itself is covered at W=2 by test_dp_equivalence
+    assert c["actor_update_fsdp2"]["sharded"] is False and c["actor_update_ddp"]["sharded"] is False
     assert c["actor_update_fsdp2"]["optim_steps_per_update"] == 1 and c["actor_update_fsdp2"]["tokens_per_s"] > 0
     assert c["weight_handover"]["bytes"] > 0 and c["rollout_hf"]["tokens_per_s"] > 0
     assert c["ulysses_sp2"]["backend"] == "gloo" and c["ulysses_sp2"]["rank1_grads"] < 1e-4

@@ -34,6 +34,39 @@ def _cfg(tiny_model, digits_data, tmp_path, *extra):
     return load_config(None, digit_overrides(tiny_model, digits_data, tmp_path, 2, extra)).to_dict()
 
 
+def test_job_model_check_stage_is_quick_and_still_refuses_broken_models(tiny_model, tmp_path):
+    """The launcher's model-check stage loads config and fast tokenizer without importing
+    transformers (seconds saved before Ray comes up), reports the same token count as
+    transformers, and one line (exit 2) for a broken directory."""
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    probe = ("import sys; from hpc_verl.launch.checks import main; rc = main(['model', sys.argv[1]]); "
+             "print('transformers imported' if 'transformers' in sys.modules else 'no transformers'); "
+             "raise SystemExit(rc)")
+    run = lambda d: subprocess.run([sys.executable, "-c", probe, str(d)], capture_output=True, text=True,  # noqa: E731
+                                   timeout=120)
+    res = run(tiny_model)
+    assert res.returncode == 0, res.stderr
+    assert f"({len(AutoTokenizer.from_pretrained(str(tiny_model)))} tokens)" in res.stdout
+    assert "llama" in res.stdout and "no transformers" in res.stdout
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model, bad)
+    (bad / "tokenizer.json").write_text("{broken")
+    for broken, what in ((bad, "bad"), (tmp_path / "nothing", "config.json does not exist")):
+        res = run(broken)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("model-check: cannot load"), res.stderr
+        assert what in lines[0], lines
+    (bad / "tokenizer.json").unlink()   # no fast tokenizer: transformers decides (and refuses the broken config)
+    (bad / "tokenizer_config.json").write_text("{broken")
+    res = run(bad)
+    assert res.returncode == 2 and "model-check: cannot load" in res.stderr
+
+
 def test_rollout_generates_masked_responses_and_syncs_versions(tiny_model, digits_data, tmp_path):
     from hpc_verl.trainer import rollout as R
     from hpc_verl.trainer import workers as W

@@ -178,18 +178,21 @@ class Router:
         return done
 
     def _gather(self, name: str, tracks: list[Track]) -> list[Any]:
-        """The node's outputs in input order (split shards collected, spmd: rank 0's)."""
+        """The node's outputs in input order (split shards collected, spmd: rank 0's), fetched by
+        one ``ray.get`` for all tracks."""
         import ray
 
         node = self.graph.nodes[name]
-        vals: list[Any] = []
-        for track in tracks:
-            refs = track.refs[name]
-            if node.dispatch == "split":
-                vals.extend(spmd.gather_items([e[1] for e in ray.get(refs)], node.collect))
-            else:
-                vals.extend(ray.get(refs[0])[1])
-        return vals
+        if node.dispatch == "split":
+            per = [len(track.refs[name]) for track in tracks]
+            flat = ray.get([ref for track in tracks for ref in track.refs[name]])
+            vals: list[Any] = []
+            pos = 0
+            for n in per:
+                vals.extend(spmd.gather_items([e[1] for e in flat[pos:pos + n]], node.collect))
+                pos += n
+            return vals
+        return [v for env in ray.get([track.refs[name][0] for track in tracks]) for v in env[1]]
 
     def _abandon(self, tracks: Any) -> None:
         """Forget items a failed run left in flight (their instances may be drained)."""

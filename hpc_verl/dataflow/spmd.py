@@ -36,6 +36,19 @@ def num_rows(item: Any, split_key: str | None = None) -> int:
     raise DataflowError(f"split: cannot split a {type(item).__name__} by rows; pass a dict of tensors/lists")
 
 
+def rows_or_one(item: Any) -> int:
+    """``num_rows`` for the statistics: 1 for an item that is not row-shaped (no exception raised,
+    so it costs next to nothing per item)."""
+    if isinstance(item, dict):
+        for value in item.values():
+            if isinstance(value, list) or _is_array(value):
+                return len(value)
+        return 1
+    if isinstance(item, list) or _is_array(item):
+        return len(item)
+    return 1
+
+
 def split_bounds(item: Any, world: int, split_key: str | None = None) -> list[tuple[int, int]]:
     """``world`` contiguous ``[start, stop)`` row ranges covering the item, balanced by rows."""
     n = num_rows(item, split_key)

@@ -320,8 +320,10 @@ class DataflowWorker:
         if h.inputs:
             per_edge = []
             for desc, arg in zip(h.inputs, inputs):
-                if desc["src_dispatch"] == "split":
+                t_in = t0
+                if desc["src_dispatch"] == "split":   # shard refs: this handler waits for the producer here
                     envs = ray.get(list(arg))
+                    t_in = time.time()
                     t_done = max(e[0] for e in envs)
                     values = spmd.gather_items([e[1] for e in envs], desc["src_collect"])
                 else:
@@ -329,8 +331,9 @@ class DataflowWorker:
                 buf = h.latency.get(desc["key"])
                 if buf is None:
                     buf = h.latency[desc["key"]] = deque(maxlen=LATENCY_WINDOW)
-                buf.append(t0 - t_done)
+                buf.append(t_in - t_done)
                 per_edge.append(values)
+                t0 = t_in   # busy from when the inputs are here
             if len(per_edge) > 1:
                 srcs = [d["src"] for d in h.inputs]
                 batch = [dict(zip(srcs, vals)) for vals in zip(*per_edge)]
@@ -406,7 +409,4 @@ def _rows_of(item: Any) -> int:
     """Rows of an item for the stats: a join counts its first input's rows; anything else 1."""
     if isinstance(item, dict) and item and all(isinstance(v, dict) for v in item.values()):
         item = next(iter(item.values()))
-    try:
-        return spmd.num_rows(item)
-    except DataflowError:
-        return 1
+    return spmd.rows_or_one(item)

@@ -23,7 +23,7 @@ from typing import Any
 from hpc_verl.dataflow.context import SNAPSHOT, TENSORS
 from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import workers as W
-from hpc_verl.trainer.lm import response_log_probs
+from hpc_verl.trainer.lm import can_share_prompts, response_log_probs
 from hpc_verl.trainer.model import quiet_transformers
 
 POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
@@ -85,7 +85,8 @@ class RolloutNode:
             import torch
             with torch.no_grad():
                 lp = response_log_probs(self.worker.model, merged,
-                                          float(self.cfg["actor_rollout_ref"]["rollout"]["temperature"]))
+                                        float(self.cfg["actor_rollout_ref"]["rollout"]["temperature"]),
+                                        share_prompts=can_share_prompts(self.worker.model))
             merged["rollout_log_prob"] = lp.float().cpu()
             merged["counts"]["fwd_rows"] = [rows]
         return merged
@@ -102,7 +103,8 @@ class RolloutNode:
 
 class RewardNode:
     def __init__(self, cfg: dict) -> None:
-        quiet_transformers()
+        if cfg["reward_model"]["enable"]:   # rule rewards score the rollout's text: no transformers import
+            quiet_transformers()
         self.worker = W.RewardWorker(cfg)
 
     def process(self, batch: dict) -> dict:

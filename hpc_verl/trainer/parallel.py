@@ -110,6 +110,14 @@ def decoder_layers(model: Any) -> list[Any]:
             and not type(m).__name__.startswith("Model")]
 
 
+def shards(strategy: str, par: Parallel) -> bool:
+    """Whether a role with ``strategy`` runs FSDP2 here. Not for one CPU rank: with nothing to
+    shard and no mixed precision on CPU, FSDP2 at world size 1 computes the same as the plain
+    module plus an unshard/reshard per layer and pass. One CUDA rank keeps it (its bf16 compute
+    is part of what the strategy means)."""
+    return strategy in ("fsdp", "fsdp2") and par.group is not None and (par.world > 1 or par.device == "cuda")
+
+
 def shard_model(model: Any, par: Parallel, *, param_offload: bool = False, reshard_after_forward: bool = True,
                 mixed_precision: bool = False) -> Any:
     """FSDP2 (``fully_shard``) per decoder layer and on the root; bf16 compute on CUDA."""
@@ -141,7 +149,7 @@ class TrainModel:
         self.module = module
         self.strategy = strategy
         self.par = par
-        self.sharded = strategy in ("fsdp", "fsdp2") and par.group is not None   # no group: one plain process
+        self.sharded = shards(strategy, par)
         if self.sharded:
             self.forward_module = shard_model(module, par, param_offload=param_offload,
                                               reshard_after_forward=reshard_after_forward,

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer import algorithms as A
+from hpc_verl.trainer.kvcache import expand_rows, preallocated_cache
 from hpc_verl.trainer.lm import load_causal_lm, load_tokenizer, pick_device, setup_threads, torch_mod
 from hpc_verl.trainer.parallel import load_named
 
@@ -49,6 +50,9 @@ class RolloutWorker:
         self.version = 0
         self.seed = int(cfg["trainer"]["seed"])
         self.response_length = int(cfg["data"]["max_response_length"])
+        import inspect   # the prefill needs the last position's logits only, where the model can say so
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(
+            self.model.forward).parameters else {}
 
     # --- weight sync -------------------------------------------------------------------------
     def load_tensors(self, named: Iterable[tuple[str, Any]], version: int) -> int:
@@ -126,10 +130,19 @@ class RolloutWorker:
         stop_at_eos = not rcfg["ignore_eos"]
         attn_d = attn.to(dev)
         pos = (attn_d.cumsum(-1) - 1).clamp(min=0)
+        # each distinct prompt is prefilled once; its rows (GRPO's group) share the keys/values
+        _, owner = torch.unique_consecutive(torch.cat([ids, attn], dim=1), dim=0, return_inverse=True)
+        first = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), owner[1:] != owner[:-1]])).squeeze(1)
+        owner, first = owner.to(dev), first.to(dev)   # (row -> its prompt; the first row of each prompt)
+        cache = preallocated_cache(self.model.config, ids.shape[1] + self.response_length)
         with torch.inference_mode():
-            out = self.model(input_ids=ids.to(dev), attention_mask=attn_d, position_ids=pos, use_cache=True)
-            past = out.past_key_values
+            out = self.model(input_ids=ids.to(dev)[first], attention_mask=attn_d[first], position_ids=pos[first],
+                             past_key_values=cache, use_cache=True, **self._last_logits)
             logits = out.logits[:, -1, :].float()
+            if len(first) < bsz:
+                expand_rows(cache, owner)
+                logits = logits[owner]
+            past = cache
             last_pos = pos[:, -1:]
             for t in range(self.response_length):
                 if greedy:

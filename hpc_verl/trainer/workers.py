@@ -21,10 +21,10 @@ from typing import Any, Callable
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import ulysses
-from hpc_verl.trainer.lm import (chunks, load_causal_lm, pick_device, response_log_probs, setup_threads,
-                                 sub_batch, torch_mod)
+from hpc_verl.trainer.lm import (can_share_prompts, chunks, load_causal_lm, pick_device, response_log_probs,
+                                 setup_threads, sub_batch, torch_mod)
 from hpc_verl.trainer.parallel import (Parallel, TrainModel, full_tensors, load_sharded, offload_optimizer,
-                                       save_sharded, shard_model)
+                                       save_sharded, shard_model, shards)
 
 
 def _counts(par: Parallel, fwd: int = 0, bwd: int = 0, steps: int = 0) -> dict[str, int]:
@@ -42,6 +42,7 @@ class _SequenceParallel:
     device: str
     sp_configured: int = 1
     sp_on: bool = True
+    share_prompts: bool = False   # lm.response_log_probs runs a repeated prompt once (set where it applies)
 
     def _init_sp(self, module: Any, sp: int) -> None:
         self.sp_configured = int(sp or 1)
@@ -72,7 +73,10 @@ class _SequenceParallel:
         if view.sp > 1:
             return ulysses.response_log_probs(model, mb, temperature, with_entropy=with_entropy,
                                               group=view.sp_group, device=self.device)
-        return response_log_probs(model, mb, temperature, with_entropy=with_entropy, device=self.device)
+        if self.share_prompts and isinstance(model, TrainModel):
+            model = model.forward_module   # (the module itself: nothing wraps it)
+        return response_log_probs(model, mb, temperature, with_entropy=with_entropy, device=self.device,
+                                  share_prompts=self.share_prompts)
 
     def _forward_rows(self, batch: dict, micro: int | None, fn: Callable[[dict], Any],
                       eval_module: Any = None) -> tuple[Any, int]:
@@ -106,8 +110,12 @@ class _Trainable(_SequenceParallel):
         # with param_offload the parameters, so the optimizer state too, already live on the CPU
         self.optimizer_offload = (bool(fsdp_cfg.get("optimizer_offload")) and self.device == "cuda"
                                   and not fsdp_cfg.get("param_offload"))
+        # one fused kernel per step (what transformers' Trainer picks on torch >= 2.8) instead of a
+        # Python loop over every tensor; sharded (DTensor) or offloaded state keeps the default
+        fused = not self.model.sharded and not self.optimizer_offload and not fsdp_cfg.get("param_offload")
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim_cfg["lr"],
-                                           betas=tuple(optim_cfg["betas"]), weight_decay=optim_cfg["weight_decay"])
+                                           betas=tuple(optim_cfg["betas"]), weight_decay=optim_cfg["weight_decay"],
+                                           fused=fused or None)
         warmup = optim_cfg["lr_warmup_steps"]
         if warmup is None or warmup < 0:
             warmup = int(optim_cfg["lr_warmup_steps_ratio"] * max(total_steps, 0))
@@ -239,6 +247,8 @@ class ActorWorker(_Trainable):
         self._init_sp(module, self.acfg["fsdp_config"]["ulysses_sequence_parallel_size"])
         self._init_training(module, self.acfg["strategy"], self.acfg["fsdp_config"], self.acfg["optim"],
                             total_steps)
+        self.share_prompts = (self.sp_configured == 1 and self.model.forward_module is module
+                              and can_share_prompts(module))
         self.version = 0
         self.seed = int(cfg["trainer"]["seed"]) + 101
         self.n = int(cfg["actor_rollout_ref"]["rollout"]["n"])
@@ -265,7 +275,8 @@ class ActorWorker(_Trainable):
                                a["clip_ratio_low"], a["clip_ratio_high"], a["clip_ratio_c"], a["loss_agg_mode"],
                                denom=denom, token_denom=token_denom)
             entropy = A.agg_loss(ent, mask, a["loss_agg_mode"], denom)
-            loss = pl.loss - a["entropy_coeff"] * entropy
+            # no entropy bonus: the entropy is a figure only, kept out of the backward
+            loss = pl.loss - a["entropy_coeff"] * entropy if a["entropy_coeff"] else pl.loss
             kl = torch.zeros(())
             if use_kl_loss:
                 kl = A.agg_loss(A.kl_penalty(logp, m["ref_log_prob"].to(dev), a["kl_loss_type"]), mask,
@@ -364,10 +375,11 @@ class RefWorker(_SequenceParallel):
             p.requires_grad_(False)
         fc = cfg["actor_rollout_ref"]["ref"]["fsdp_config"]
         self._init_sp(self.model, fc["ulysses_sequence_parallel_size"])
-        if cfg["actor_rollout_ref"]["actor"]["strategy"] in ("fsdp", "fsdp2") and self.par.group is not None:
+        if shards(cfg["actor_rollout_ref"]["actor"]["strategy"], self.par):
             shard_model(self.model, self.par, param_offload=bool(fc["param_offload"]),
                         reshard_after_forward=bool(fc["reshard_after_forward"]),
                         mixed_precision=self.device == "cuda")
+        self.share_prompts = self.sp_configured == 1 and can_share_prompts(self.model)
         self.temperature = float(cfg["actor_rollout_ref"]["rollout"]["temperature"])
 
     def _sp_module(self) -> Any:
