@@ -246,3 +246,44 @@ def test_the_top_of_the_worker_range_is_kept_for_the_trainers_rendezvous(monkeyp
     monkeypatch.setenv("HPC_VERL_DIST_PORTS", "20090-x")
     with pytest.raises(RuntimeError, match="is not a port range like"):
         distgroup.open_store("127.0.0.1", 1, 5)
+
+
+# ----------------------------------------------------------------------------- node stop
+def test_stop_ends_a_ray_daemon_that_left_the_supervisors_tree(tmp_path):
+    """A daemon forked while its `ray start` was being stopped can be reparented past the
+    supervisor (a real CI leak: a head's gcs_server under PPID 1). stop() also ends what names the
+    node's temp dir. The stray here is a real detached process (double fork, PPID 1), not a fake."""
+    import os
+    import sys
+    import time
+
+    from hpc_verl.bootstrap.node import NodeSupervisor
+    from hpc_verl.util import procs
+
+    _plan(tmp_path)
+    sup = NodeSupervisor(str(tmp_path), node="n2")
+    os.makedirs(sup.temp_dir)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    pidfile = tmp_path / "pids"
+    # two detached sleepers: one names the node's temp dir (like gcs_server's --log_dir), one does not
+    sleeper = f"{sys.executable} -c 'import time; time.sleep(300)'"
+    script = (f'{sleeper} --log_dir={sup.temp_dir}/session_x/logs & echo $! >> {pidfile}; '
+              f'{sleeper} --log_dir={other} & echo $! >> {pidfile}')
+    subprocess.run(["setsid", "bash", "-c", f"exec 0</dev/null 1>/dev/null 2>&1; {script}"], check=True)
+    deadline = time.monotonic() + 10
+    while (not pidfile.exists() or len(pidfile.read_text().split()) < 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stray, bystander = map(int, pidfile.read_text().split())
+    try:
+        assert procs.alive(stray) and stray not in procs.descendants(os.getpid())
+        sup.stop()
+        assert not procs.alive(stray)          # the node's own daemon is gone
+        assert procs.alive(bystander)          # what does not name the temp dir is left alone
+        assert not os.path.exists(sup.temp_dir)
+    finally:
+        for pid in (stray, bystander):
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass

@@ -162,6 +162,18 @@ def stop_and_wait(pids: list[int], timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+def end_pids(pids: list[int], grace_s: float = 3.0) -> None:
+    """TERM ``pids``, wait up to ``grace_s`` for them, KILL the ones left."""
+    stop_and_wait(pids, grace_s)
+    for pid in pids:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    reap()
+
+
 def reap_tree(root: int, wait_s: float = 0.0, grace_s: float = 5.0) -> list[int]:
     """End every descendant of ``root``: first let them exit on their own for up to ``wait_s``
     (Ray stops a few seconds after its supervisor asked), then TERM them and their process
