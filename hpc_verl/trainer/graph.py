@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -235,15 +234,7 @@ class DataflowRunner:
             except OSError as exc:
                 log.warning("Ray's logs could not be kept in %s (%s)", self._run_dir / "logs" / "ray",
                             exc.strerror or exc)
-        left = procs.pids_using(temp)
-        for pid in left:
-            _kill(pid, 15)
-        deadline = time.monotonic() + 5
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = [p for p in left if procs.alive(p)]
-        for pid in left:
-            _kill(pid, 9)
+        procs.end_pids(procs.pids_using(temp), grace_s=5.0)
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -261,13 +252,6 @@ def _remove_stale_private_rays(root: str) -> None:
         pid = d.name[len(PRIVATE_RAY_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not procs.alive(int(pid)) and not procs.pids_using(str(d)):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except OSError:
-        pass
 
 
 class InlineRunner:

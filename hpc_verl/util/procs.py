@@ -162,16 +162,30 @@ def stop_and_wait(pids: list[int], timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+KILL_WAIT_S = 2.0   # a SIGKILLed process is gone within this (kernel teardown of a large one)
+
+
 def end_pids(pids: list[int], grace_s: float = 3.0) -> None:
-    """TERM ``pids``, wait up to ``grace_s`` for them, KILL the ones left."""
-    stop_and_wait(pids, grace_s)
+    """TERM ``pids`` (processes outside the caller's tree), wait up to ``grace_s`` for them, KILL
+    the ones left and wait up to KILL_WAIT_S for those. Reaps nothing: they are not the caller's
+    children, and a caller with children of its own (a trainer's driver) must keep their statuses."""
     for pid in pids:
-        if alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    reap()
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if alive(p)]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + KILL_WAIT_S   # gone before the caller removes their files
+    while any(alive(p) for p in left) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def reap_tree(root: int, wait_s: float = 0.0, grace_s: float = 5.0) -> list[int]:

@@ -196,15 +196,7 @@ def _settle(job_dir: str, signum: int) -> list[int]:
     pids = set(sup.marked_pids(job_dir))
     if sup.runs(cur.pid, job_dir):
         pids |= {cur.pid, *procs.descendants(cur.pid)}
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 2.0)):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any(procs.alive(p) for p in pids):
-            time.sleep(0.1)
+    procs.end_pids(sorted(pids), grace_s=10.0)
     sup.remove_ray_temp_dirs(job_dir)
     with sup.updating(job_dir) as rec:
         if rec.exit_code is None:

@@ -96,12 +96,7 @@ def end_marked(job_dir: str, grace_s: float = 3.0) -> list[int]:
     """TERM, then KILL, the live processes outside our tree that carry the job's marker (an attached
     shell inherits it from the job's attach.sh); returns their pids."""
     pids = marked_pids(job_dir)
-    if pids:
-        procs.stop_and_wait(pids, grace_s)
-        for pid in pids:
-            if procs.alive(pid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+    procs.end_pids(pids, grace_s)
     return pids
 
 
