@@ -241,7 +241,10 @@ class Router:
                     insts = list(self.pool.routable[node])
                     if not insts:
                         raise DataflowError(f"node '{node}' has no live ranks")
-                track.refs[node] = [i.handle.run.remote(node, required, *args) for i in insts]
+                if required is None and nd.group is None and len(insts[0].proc.nodes) == 1:
+                    track.refs[node] = [insts[0].handle.run_sole.remote(*args)]
+                else:
+                    track.refs[node] = [i.handle.run.remote(node, required, *args) for i in insts]
                 track.insts[node] = insts
                 for inst in insts:
                     inst.outstanding += size

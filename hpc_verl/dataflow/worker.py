@@ -312,6 +312,11 @@ class DataflowWorker:
         return {"applied": True, "seconds": time.perf_counter() - t0}
 
     # ---- default group: items and calls -------------------------------------------
+    def run_sole(self, *inputs: Any) -> tuple[float, list, Any]:
+        """``run`` of the one node this process hosts, with no control version to wait for: the
+        router's call for a routed instance, two arguments fewer to serialise per micro-batch."""
+        return self.run(next(iter(self.hosted)), None, *inputs)
+
     def run(self, node: str, required: dict | None, *inputs: Any) -> tuple[float, list, Any]:
         """Process one micro-batch of ``node``. Inputs: per incoming data edge an envelope,
         or the list of shard envelope refs of a split producer; at a source the items."""
@@ -405,8 +410,13 @@ class DataflowWorker:
         return obj is not None and callable(getattr(obj, method, None))
 
 
+_ONE_ROW = frozenset({int, float, str, bytes, bool, type(None)})
+
+
 def _rows_of(item: Any) -> int:
     """Rows of an item for the stats: a join counts its first input's rows; anything else 1."""
+    if type(item) in _ONE_ROW:   # (per item: the cheap answer first)
+        return 1
     if isinstance(item, dict) and item and all(isinstance(v, dict) for v in item.values()):
         item = next(iter(item.values()))
     return spmd.rows_or_one(item)
