@@ -326,3 +326,41 @@ def test_handler_error_is_one_clear_line(cluster):
     with pytest.raises(DataflowError, match=r"rollout_0 failed to start: .*no model at /nowhere"):
         sched.start()
     assert not sched.pool.instances["rollout"] and not sched.pool.procs and not sched.pool._pgs  # cleaned up
+
+
+class _Preloading:
+    """Records, in its process, whether ``preload`` ran before the object was built."""
+
+    preloaded = False
+
+    @staticmethod
+    def preload() -> None:
+        _Preloading.preloaded = True
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self.saw_preload = _Preloading.preloaded
+
+    def process(self, item: int) -> tuple:
+        return item, self.value, self.saw_preload
+
+
+def test_spawn_then_set_init_args_then_start_builds_with_the_late_arguments(cluster):
+    """spawn() creates the processes (their preload runs there at once) before the caller knows an
+    init argument; start() builds the objects with the value set in between, and runs."""
+    g = DataflowGraph("late_init")
+    with g:
+        Node("late", _Preloading, init_args=(0,), resources={"CPU": 0.1})
+    sched = HybridScheduler(g)
+    try:
+        sched.spawn()
+        assert not sched.started
+        sched.set_init_args("late", 42)
+        sched.start()
+        assert sched.run([1, 2])["late"] == [(1, 42, True), (2, 42, True)]
+        with pytest.raises(DataflowError, match="already started"):
+            sched.set_init_args("late", 7)
+        with pytest.raises(DataflowError, match="no node 'lat'"):
+            HybridScheduler(g).set_init_args("lat", 1)
+    finally:
+        sched.shutdown()

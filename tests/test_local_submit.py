@@ -73,6 +73,10 @@ def test_submit_local_end_to_end(cli, tmp_path, tiny_model, home):
     for stage in ("stage preprocess: done", "stage model-check: done", "ray-up: 1 nodes and 0 GPUs ready",
                   "stage train: done", "job finished"):
         assert stage in res.stdout, stage
+    # our trainer starts with Ray (it loads torch and its data meanwhile) and connects after the barrier
+    out = res.stdout
+    assert out.index("train: starting the trainer now") < out.index("ray-up: head") < \
+        out.index("ray-up: 1 nodes and 0 GPUs ready") < out.index("Connected to Ray cluster")
     assert (wd / "data" / "gsm8k" / "train.parquet").exists()  # preprocessed once, next to the job
     jobs = list((Path(home["HPC_VERL_HOME"]) / "jobs").iterdir())
     assert len(jobs) == 1
@@ -103,6 +107,34 @@ def test_submit_local_end_to_end(cli, tmp_path, tiny_model, home):
     table = cli("logs", str(rec["job_id"]), "--metrics", "3", env=home)
     assert table.returncode == 0 and "last 3 step(s)" in table.stdout and "critic/score/mean" in table.stdout
     assert [ln.split()[1] for ln in table.stdout.splitlines() if ln.startswith("│")][-3:] == ["3", "4", "5"]
+
+
+def test_a_trainer_that_fails_while_ray_comes_up_ends_the_job_with_its_own_status(cli, tmp_path, tiny_model,
+                                                                                   home):
+    """The trainer starts with Ray; if it fails before the barrier has passed (here: a parquet
+    without reward_model, found when it reads the data), the job ends FAILED with the trainer's
+    status 2 and its one line, once Ray is up; no hang on Ray, nothing left running."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    wd = _workdir(tmp_path, tiny_model)
+    (wd / "data").mkdir()
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i} + 1 = ?"}],
+             "ability": "math", "extra_info": {"index": i}} for i in range(16)]
+    pq.write_table(pa.Table.from_pylist(rows), wd / "data" / "train.parquet")
+    job = local.demo_job_dict()
+    job["data"] = {"dir": "data"}
+    job["model"] = {"path": "models/tiny"}
+    (wd / "job.yaml").write_text(yaml.safe_dump(job))
+    t0 = time.monotonic()
+    res = cli("submit", "--profile", "local", "--config", "job.yaml", cwd=wd, env=home, timeout=150)
+    assert res.returncode != 0 and time.monotonic() - t0 < 120, res.stdout[-2000:]
+    out = res.stdout + res.stderr
+    assert "no reward_model.ground_truth" in out and "Traceback" not in out, out[-3000:]
+    assert "train: the trainer exited with status 2" in out, out[-3000:]
+    rec = json.loads(next((Path(home["HPC_VERL_HOME"]) / "jobs").iterdir()).joinpath("job.json").read_text())
+    assert rec["exit_code"] == 2
+    assert supervisor.marked_pids(str(next((Path(home["HPC_VERL_HOME"]) / "jobs").iterdir()))) == []
 
 
 def test_missing_model_fails_in_one_line_and_writes_nothing(cli, tmp_path, home):

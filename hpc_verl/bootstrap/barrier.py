@@ -25,6 +25,7 @@ from hpc_verl.bootstrap.node import NODE_RESOURCE_PREFIX, log_tail, node_temp_di
 from hpc_verl.bootstrap.raydir import node_states, ray_dir, ray_env, read_json, read_plan
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util.fs import atomic_write_text
+from hpc_verl.util.rayready import READY_FILE_NAME, write_ready
 
 DIAG_RESERVE_S = 8.0
 
@@ -193,6 +194,7 @@ class Barrier:
                "HPC_VERL_RAY_DASHBOARD": f"{head['dashboard_host']}:{head['dashboard_port']}"}
         lines = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
         atomic_write_text(ray_dir(self.job_dir) / "env.sh", "\n".join(lines) + "\n")
+        write_ready(ray_dir(self.job_dir) / READY_FILE_NAME, env)   # last: a waiting trainer connects now
 
 
 def parse_pids(text: str) -> dict[int, str]:

@@ -112,6 +112,21 @@ class InstancePool:
         """Placement groups, actors, rendezvous and node objects for the whole plan."""
         self._start(plan, "the graph", list(self.instances))
 
+    def spawn(self, plan: PlacementPlan, what: str) -> list[Proc]:
+        """Placement groups and processes of ``plan``; their ``__init__`` (module imports) runs
+        while the caller goes on. ``finish`` sets them up."""
+        pgs = {b.bundle_id: self._placement_group(b) for b in plan.bundles}
+        self._wait_ready(list(pgs.values()), what)
+        return [self._spawn(key, insts, pgs[insts[0].bundle], plan.bundle(insts[0].bundle))
+                for key, insts in plan.processes().items()]
+
+    def finish(self, procs: list[Proc], nodes: list[str]) -> None:
+        """Rendezvous and node objects of spawned ``procs``; ``nodes`` become routable."""
+        self._setup(procs)
+        with self.lock:
+            for node in nodes:
+                self.routable[node] = sorted(self.instances[node], key=lambda i: i.index)
+
     def _spawn(self, key: str, plans: list[InstancePlan], pg: Any, bundle: BundlePlan) -> Proc:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -149,7 +164,7 @@ class InstancePool:
         inputs = [{"key": e.key, "src": e.src_name, "src_dispatch": g.nodes[e.src_name].dispatch,
                    "src_collect": g.nodes[e.src_name].collect} for e in g.in_edges(ip.node)]
         return {"instance_id": ip.instance_id, "index": ip.index, "target": node.target, "is_class": node.is_class,
-                "init_args": node.init_args, "init_kwargs": node.init_kwargs, "method": node.method,
+                "method": node.method,
                 "control_method": node.control_method, "dispatch": node.dispatch, "split_key": node.split_key,
                 "in_control": [e.key for e in in_ctl], "edge_of": {e.key: e.data_type or e.key for e in in_ctl},
                 "out_control": [e.data_type or e.key for e in g.out_edges(ip.node, control=True)],
@@ -173,7 +188,7 @@ class InstancePool:
                     self.decide(f"Scheduling decision: worker group {group} rendezvous at "
                                 f"{address[0]}:{address[1]} ({len(members)} rank(s), backend "
                                 f"{self.graph.groups()[group].backend})")
-                refs.extend((p, p.handle.setup.remote(address)) for p in members)
+                refs.extend((p, p.handle.setup.remote(address, self._inits(p))) for p in members)
             infos = ray.get([r for _, r in refs], timeout=self.start_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise DataflowError(f"graph '{self.graph.name}': instances not up after {self.start_timeout_s:g}s "
@@ -190,6 +205,12 @@ class InstancePool:
             raise
         for (p, _), info in zip(refs, infos):
             p.info = info
+
+    def _inits(self, proc: Proc) -> dict[str, tuple[tuple, dict]]:
+        """The init arguments of ``proc``'s nodes as they are now (sent with ``setup``, not with
+        the process: they may be set after ``spawn``)."""
+        return {n: (tuple(self.graph.nodes[n].init_args), dict(self.graph.nodes[n].init_kwargs or {}))
+                for n in proc.nodes}
 
     # ---- routed replicas -----------------------------------------------------------
     def add_route_instance(self, node_name: str, free: list[ClusterNode]) -> Instance | None:
@@ -279,14 +300,8 @@ class InstancePool:
 
     def _start(self, plan: PlacementPlan, what: str, nodes: list[str]) -> list[Proc]:
         """Placement groups, processes, rendezvous and node objects of ``plan``; ``nodes`` routable."""
-        pgs = {b.bundle_id: self._placement_group(b) for b in plan.bundles}
-        self._wait_ready(list(pgs.values()), what)
-        procs = [self._spawn(key, insts, pgs[insts[0].bundle], plan.bundle(insts[0].bundle))
-                 for key, insts in plan.processes().items()]
-        self._setup(procs)
-        with self.lock:
-            for node in nodes:
-                self.routable[node] = sorted(self.instances[node], key=lambda i: i.index)
+        procs = self.spawn(plan, what)
+        self.finish(procs, nodes)
         return procs
 
     def releasable(self, group: str) -> list[BundlePlan]:

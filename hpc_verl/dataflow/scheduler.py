@@ -50,6 +50,7 @@ class HybridScheduler:
         self._total: list[ClusterNode] = []
         self._hub: Any = None
         self._started = False
+        self._spawned: list[Any] | None = None   # processes spawn() created, not yet set up
         self._ulysses = {n: bool(node.ulysses) for n, node in graph.nodes.items()}
         self.scratch_dir = scratch_dir
         self.edge_stats: dict[str, dict[str, Any]] = {
@@ -110,14 +111,16 @@ class HybridScheduler:
         return self._ulysses[node_name] if self.graph.nodes[node_name].ulysses is not None else None
 
     # ---- materialisation -----------------------------------------------------------
-    def start(self) -> "HybridScheduler":
-        """Create placement groups, actors (with their process groups) and the status actor;
-        start the monitor."""
+    def spawn(self) -> "HybridScheduler":
+        """Place the graph and create its processes, without waiting for them: each imports its
+        nodes' modules (torch, transformers) while the caller gets on with its own set-up;
+        ``start()`` then builds the node objects, with the init arguments set by then
+        (``set_init_args``). Calling ``start()`` alone does both."""
         import ray
 
         from hpc_verl.dataflow import raycluster
 
-        if self._started:
+        if self._started or self._spawned is not None:
             return self
         if not ray.is_initialized():
             raise DataflowError("HybridScheduler.start(): Ray is not initialised; call ray.init(address=...) first")
@@ -135,7 +138,30 @@ class HybridScheduler:
                 raise DataflowError(f"a dataflow graph named '{self.graph.name}' is already running on this Ray "
                                     f"cluster; give this graph another name or shut the other one down")
             self._hub = raycluster.make_hub_class().options(name=name, namespace=raycluster.NAMESPACE).remote()
-            self.pool.materialise(plan)
+            self._spawned = self.pool.spawn(plan, "the graph")
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def set_init_args(self, node_name: str, *args: Any, **kwargs: Any) -> None:
+        """Replace a node's init arguments between ``spawn()`` and ``start()`` (a value the
+        caller only knows once its own set-up is done, such as a step count)."""
+        if self._started:
+            raise DataflowError(f"set_init_args('{node_name}'): graph '{self.graph.name}' is already started")
+        self._node(node_name)
+        node = self.graph.nodes[node_name]
+        node.init_args, node.init_kwargs = tuple(args), dict(kwargs)
+
+    def start(self) -> "HybridScheduler":
+        """Create placement groups, actors (with their process groups) and the status actor;
+        start the monitor."""
+        if self._started:
+            return self
+        self.spawn()
+        procs, self._spawned = self._spawned, None
+        try:
+            self.pool.finish(procs or [], list(self.graph.nodes))
             self._started = True
             self.monitor.publish()
             self.monitor.start()
@@ -400,6 +426,7 @@ class HybridScheduler:
                 pass
         self._hub = None
         self._started = False
+        self._spawned = None
 
     def __enter__(self) -> "HybridScheduler":
         return self.start()

@@ -125,6 +125,10 @@ class DataflowWorker:
             for key in nspec.get("in_control", []):
                 ctx.versions[key] = -1
             self.hosted[node] = _Hosted(nspec, ctx)
+        for nspec in spec["nodes"].values():   # a class's slow imports, now: nobody waits for __init__ yet
+            preload = getattr(nspec["target"], "preload", None) if nspec["is_class"] else None
+            if callable(preload):
+                preload()
 
     # ---- start-up -----------------------------------------------------------------
     def open_rendezvous(self) -> tuple[str, int]:
@@ -134,8 +138,12 @@ class DataflowWorker:
         self.store, port = distgroup.open_store(self.host, self.world_size, self.spec["dist"]["timeout_s"])
         return self.host, port
 
-    def setup(self, rendezvous: tuple[str, int] | None) -> dict[str, Any]:
-        """Join the group's process group (dist groups), then build the hosted node objects."""
+    def setup(self, rendezvous: tuple[str, int] | None,
+              inits: dict[str, tuple[tuple, dict]] | None = None) -> dict[str, Any]:
+        """Join the group's process group (dist groups), then build the hosted node objects
+        (``inits``: each node's init arguments)."""
+        for node, (args, kwargs) in (inits or {}).items():
+            self.hosted[node].spec.update(init_args=args, init_kwargs=kwargs)
         dist_spec = self.spec.get("dist")
         if dist_spec is not None:
             from hpc_verl.dataflow import distgroup

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
 from hpc_verl.errors import ConfigError, install_stop_signals
-from hpc_verl.trainer import nodes as N
+from hpc_verl.util import rayready
 from hpc_verl.trainer.topology import Topology, topology
 
 log = logging.getLogger("hpc_verl.trainer")
@@ -34,9 +36,14 @@ def worker_groups(cfg: Mapping, topo: Topology) -> dict[str, Any]:
             for g in topo.groups.values()}
 
 
+#: the nodes whose init arguments are ``(cfg, total_steps)`` (their LR schedules need the count)
+TOTAL_STEPS_NODES = ("critic", "actor_update")
+
+
 def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
     """Declare the PPO dataflow for ``cfg`` (a plain dict)."""
     from hpc_verl.dataflow import DataflowGraph, Edge, Node
+    from hpc_verl.trainer import nodes as N   # (torch: not at import, so Ray can start before it loads)
 
     topo = topology(cfg)
     groups = worker_groups(cfg, topo)
@@ -137,44 +144,117 @@ class DataflowRunner:
         self._started_ray = False
         self._ray_temp: str | None = None
         self._run_dir: Path | None = None
+        self._connecting: tuple[threading.Thread, threading.Event] | None = None
+        self._connect_error: BaseException | None = None
+        self._release = threading.Event()   # lets the thread that started a private Ray end
+        self._abort = threading.Event()     # shutdown() before Ray was ready: stop waiting for it
+        self._joined_here = False
 
-    def start(self, cfg: Mapping, total_steps: int) -> None:
+    def begin(self, cfg: Mapping) -> None:
+        """Start (or join) Ray and spawn the graph's processes in a thread now: they come up
+        while the driver imports torch and transformers and reads the tokenizer and data (on
+        a small machine these are most of the start-up); ``start`` waits for it. (Ray installs
+        no signal handler outside the main thread; ours go in when ``start`` joins it.)"""
+        ray = sys.modules.get("ray")   # (not imported here: see _connect)
+        if self._connecting is not None or (ray is not None and ray.is_initialized()):
+            return
+
+        up = threading.Event()
+
+        def connect() -> None:
+            try:
+                self._connect(cfg)
+                if self._abort.is_set():
+                    return
+                # the actor processes start now too: they import torch and transformers while
+                # the driver does; start() gives them the step count and builds the nodes
+                self.sched = self._scheduler(cfg, 0).spawn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by start()
+                self._connect_error = exc
+            finally:
+                up.set()
+            # Ray starts a private cluster's processes with PR_SET_PDEATHSIG, which fires when the
+            # *thread* that started them ends: this one lives until they are stopped (shutdown)
+            if self._started_ray:
+                self._release.wait()
+        self._release.clear()
+        self._connecting = (threading.Thread(target=connect, name="hpc-verl-ray-up", daemon=True), up)
+        self._connecting[0].start()
+
+    def _await_connection(self) -> None:
+        pending, self._connecting = self._connecting, None
+        if pending is not None:
+            pending[1].wait()
+        err, self._connect_error = self._connect_error, None
+        if err is not None:
+            raise err
+
+    def _connect(self, cfg: Mapping) -> None:
+        """Join the job's Ray (``hpc_verl.ray_address`` or RAY_ADDRESS) or start a private one."""
+        hv = cfg["hpc_verl"]
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            return
+        address = hv["ray_address"] or os.environ.get("RAY_ADDRESS")
+        if not address and os.environ.get(rayready.READY_FILE_ENV):
+            # started by the job script before Ray was up: connect once its barrier has passed. Before
+            # Ray is imported: it reads the token variables (RAY_AUTH_MODE, ...) when it loads
+            ready = rayready.wait_ready(os.environ[rayready.READY_FILE_ENV],
+                                        float(os.environ.get(rayready.READY_TIMEOUT_ENV) or 600),
+                                        stop=self._abort)
+            if ready is None:   # shut down while waiting: connect to nothing
+                return
+            os.environ.update(ready)   # RAY_ADDRESS and the job's token variables, as the script's env.sh has them
+            address = ready["RAY_ADDRESS"]
         import ray
 
+        self._joined_here = True
+        pkg_parent = str(Path(__file__).resolve().parents[2])
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])),
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        if address:
+            ray.init(address=address, namespace="hpc_verl", runtime_env={"env_vars": env}, log_to_driver=True)
+            return
+        # a private single-node Ray on random ports; never joins someone else's cluster
+        import tempfile
+
+        os.environ.update(env)
+        cpus = hv["ray_num_cpus"] or max(os.cpu_count() or 1, _ray_cpus_needed(cfg))
+        # short and unique: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
+        root = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
+        _remove_stale_private_rays(root)
+        self._ray_temp = tempfile.mkdtemp(prefix=f"{PRIVATE_RAY_PREFIX}{os.getpid()}-", dir=root)
+        self._run_dir = Path(os.path.expanduser(hv["run_dir"]))
+        self._started_ray = True
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="hpc_verl",
+                 log_to_driver=True, _temp_dir=self._ray_temp)
+        log.info("private Ray in %s (removed at the end; its logs go to %s)", self._ray_temp,
+                 self._run_dir / "logs" / "ray")
+
+    def start(self, cfg: Mapping, total_steps: int) -> None:
+        self._await_connection()
+        self._connect(cfg)
+        if self._joined_here:
+            install_stop_signals()   # ray.init (in the main thread) put its own SIGTERM handler (sys.exit) in place
+        if self.sched is None:
+            self.sched = self._scheduler(cfg, total_steps)
+        else:   # spawned by begin() before the step count was known
+            for name in TOTAL_STEPS_NODES:
+                if name in self.sched.graph.nodes:
+                    self.sched.set_init_args(name, cfg, total_steps)
+        self.sched.start()
+        log.info("dataflow plan:\n%s", self.sched.placement)  # (the one start() placed by; planned once)
+
+    @staticmethod
+    def _scheduler(cfg: Mapping, total_steps: int) -> Any:
         from hpc_verl.dataflow import HybridScheduler
 
         hv = cfg["hpc_verl"]
         run_dir = Path(os.path.expanduser(hv["run_dir"]))
-        if not ray.is_initialized():
-            address = hv["ray_address"] or os.environ.get("RAY_ADDRESS")
-            pkg_parent = str(Path(__file__).resolve().parents[2])
-            env = {"PYTHONPATH": os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])),
-                   "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-            if address:
-                ray.init(address=address, namespace="hpc_verl", runtime_env={"env_vars": env},
-                         log_to_driver=True)
-            else:  # a private single-node Ray on random ports; never joins someone else's cluster
-                import tempfile
-
-                os.environ.update(env)
-                cpus = hv["ray_num_cpus"] or max(os.cpu_count() or 1, _ray_cpus_needed(cfg))
-                # short and unique: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
-                root = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
-                _remove_stale_private_rays(root)
-                self._ray_temp = tempfile.mkdtemp(prefix=f"{PRIVATE_RAY_PREFIX}{os.getpid()}-", dir=root)
-                self._run_dir = run_dir
-                self._started_ray = True
-                ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="hpc_verl",
-                         log_to_driver=True, _temp_dir=self._ray_temp)
-                log.info("private Ray in %s (removed at the end; its logs go to %s)", self._ray_temp,
-                         run_dir / "logs" / "ray")
-            install_stop_signals()   # ray.init put its own SIGTERM handler (sys.exit) in place of ours
         graph = build_ppo_graph(cfg, total_steps, name=f"ppo-{cfg['trainer']['experiment_name']}")
-        self.sched = HybridScheduler(graph, status_file=str(run_dir / "dataflow_status.json"),
-                                     bucket_bytes=int(hv["weight_sync_bucket_mb"] * 2**20),
-                                     scratch_dir=str(run_dir), start_timeout_s=float(hv["start_timeout_s"]))
-        self.sched.start()
-        log.info("dataflow plan:\n%s", self.sched.placement)  # (the one start() placed by; planned once)
+        return HybridScheduler(graph, status_file=str(run_dir / "dataflow_status.json"),
+                               bucket_bytes=int(hv["weight_sync_bucket_mb"] * 2**20),
+                               scratch_dir=str(run_dir), start_timeout_s=float(hv["start_timeout_s"]))
 
     def run_step(self, batch: dict) -> dict:
         out = self.sched.run({"actor_rollout": [batch]})
@@ -202,6 +282,11 @@ class DataflowRunner:
 
     def shutdown(self) -> None:
         try:
+            self._abort.set()
+            try:
+                self._await_connection()   # a Ray still coming up (begin) is stopped like one that is up
+            except BaseException:  # noqa: BLE001 - its error was (or is being) reported by start()
+                pass
             if self.sched is not None:
                 self.sched.shutdown()
         finally:
@@ -213,6 +298,7 @@ class DataflowRunner:
                 finally:
                     self._started_ray = False
                     self._remove_private_ray()
+                    self._release.set()
 
     def _remove_private_ray(self) -> None:
         """Keep the private Ray's logs, stop what of it is left, remove its temp dir."""
@@ -328,7 +414,8 @@ class InlineRunner:
 
     def publish_policy(self, version: int) -> None:
         from hpc_verl.dataflow import TENSORS
-        self._deliver("actor_update", [(N.POLICY_EDGE, version, TENSORS)])
+        from hpc_verl.trainer.nodes import POLICY_EDGE
+        self._deliver("actor_update", [(POLICY_EDGE, version, TENSORS)])
 
     def stream(self, produce: Any, depth: int) -> Any:
         raise ConfigError("hpc_verl.one_step_off_policy needs the Ray runner (two steps in flight); the "

@@ -49,8 +49,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"ok: {len(trainer.dataset)} prompts, {trainer.total_steps} steps, run dir {trainer.run_dir}")
         return 0
     _setup_logging()
-    from hpc_verl.trainer.ppo import PPOTrainer
-    trainer = PPOTrainer(cfg, progress=False if args.no_progress else None)
+    from hpc_verl.trainer.config import validate_for_run
+    from hpc_verl.trainer.graph import DataflowRunner
+    from hpc_verl.trainer.model import check_model_dir
+
+    validate_for_run(cfg)   # what can be refused at once is refused before Ray starts
+    check_model_dir(cfg.actor_rollout_ref.model.path)
+    runner = DataflowRunner()
+    runner.begin(cfg.to_dict())   # Ray comes up while this process loads torch, the tokenizer and the data
+    try:
+        from hpc_verl.trainer.ppo import PPOTrainer
+        trainer = PPOTrainer(cfg, runner=runner, progress=False if args.no_progress else None)
+    except BaseException:
+        runner.shutdown()
+        raise
     return trainer.fit()
 
 

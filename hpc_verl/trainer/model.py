@@ -100,8 +100,9 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
                 "pytorch_model.bin.index.json")
 
 
-def check_model(path: str | os.PathLike[str], need_weights: bool = True) -> dict:
-    """Load config + tokenizer offline; one-line ModelError on any problem. Returns a summary."""
+def check_model_dir(path: str | os.PathLike[str]) -> Path:
+    """The checks that need no transformers (a directory with a readable config.json): a wrong
+    path fails at once, before anything slow starts."""
     p = Path(os.path.expanduser(str(path)))
     if not p.is_dir():
         raise ModelError(f"model path {p} is not a directory; set actor_rollout_ref.model.path to a local "
@@ -114,6 +115,12 @@ def check_model(path: str | os.PathLike[str], need_weights: bool = True) -> dict
         json.loads((p / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(f"model {p}: config.json is not valid JSON ({exc})") from None
+    return p
+
+
+def check_model(path: str | os.PathLike[str], need_weights: bool = True) -> dict:
+    """Load config + tokenizer offline; one-line ModelError on any problem. Returns a summary."""
+    p = check_model_dir(path)
     from transformers import AutoConfig, AutoTokenizer
     try:
         cfg = AutoConfig.from_pretrained(str(p), local_files_only=True)

@@ -52,8 +52,17 @@ def make_rollout_worker(cfg: dict) -> Any:
     return RolloutWorker(cfg)
 
 
+def preload_model_stack() -> None:
+    """What building a model-holding node imports: transformers' auto classes, seconds of CPU.
+    The dataflow worker calls a node class's ``preload`` when its process starts, so this runs
+    while the driver is still setting up instead of after it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
 class RolloutNode:
     """A rollout replica: generates for its shard with the latest policy version it holds."""
+
+    preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict) -> None:
         quiet_transformers()
@@ -137,6 +146,8 @@ class _Ulysses:
 class RefNode(_Ulysses):
     """One rank of the reference's group (SPMD: every rank gets the batch, computes its rows)."""
 
+    preload = staticmethod(preload_model_stack)
+
     def __init__(self, cfg: dict) -> None:
         quiet_transformers()
         self.worker = W.RefWorker(cfg)
@@ -209,6 +220,8 @@ class CriticNode(_AdvantageMixin, _Ulysses):
     """GAE, one rank of the critic's group: values (rows split, gathered), advantages and
     returns (the same on every rank), then the data-parallel value update."""
 
+    preload = staticmethod(preload_model_stack)
+
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
         quiet_transformers()
         self._init_kl(cfg)
@@ -254,6 +267,8 @@ class CriticNode(_AdvantageMixin, _Ulysses):
 class ActorNode(_Ulysses):
     """One rank of the actor's group: old log-probs, the PPO update, then the new version
     published (TENSORS: the runtime moves the weights to the rollout)."""
+
+    preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
         quiet_transformers()

@@ -27,6 +27,7 @@ from hpc_verl.launch.spec.jobconfig import JobConfig
 from hpc_verl.profiles.schema import Profile, parse_size_bytes
 from hpc_verl.trainer.checkpoint import REQUEUE_EXIT_CODE
 from hpc_verl.util.package import PACKAGE_DIR
+from hpc_verl.util.rayready import READY_FILE_ENV, READY_FILE_NAME, READY_TIMEOUT_ENV
 
 STAGES = ("validate", "preprocess", "model-check", "ray-up", "train", "collect")
 SBATCH_TEMPLATE = "job.sbatch.j2"
@@ -223,6 +224,11 @@ def derived_overrides(profile: Profile, job: JobConfig) -> list[tuple[str, str]]
     return [(k, v) for k, v in wanted if k not in given]
 
 
+def _starts_with_ray(job: JobConfig) -> bool:
+    from hpc_verl.launch.spec.trainer_check import starts_with_ray
+    return starts_with_ray(job)
+
+
 def _is_verl(job: JobConfig) -> bool:
     from hpc_verl.launch.spec.trainer_check import trainer_kind
     return trainer_kind(job) == "verl"
@@ -264,6 +270,8 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False,
         "derived": derived_overrides(profile, job),
         "requeue_exit_code": requeue_exit_code(profile),
         "verl_job": _is_verl(job),
+        "early_train": not hold and _starts_with_ray(job),
+        "ray_ready": {"file": READY_FILE_NAME, "env": READY_FILE_ENV, "timeout_env": READY_TIMEOUT_ENV},
         "expiry": _expiry_context(profile, job),
         "job_id": job_id,
         "failure_file": FAILURE_FILE_NAME,

@@ -36,6 +36,16 @@ class TrainerCheck:
     warnings: list[str] = field(default_factory=list)
 
 
+#: our trainer: it can start before Ray is ready and connect once the barrier has passed
+BUILTIN_MODULE = "hpc_verl.trainer.main"
+
+
+def starts_with_ray(job: Any) -> bool:
+    """Whether the job's trainer is ours, which the script starts together with Ray (its imports
+    and data loading overlap the bring-up); any other module starts after the barrier."""
+    return getattr(job.trainer, "module", "") == BUILTIN_MODULE
+
+
 def trainer_kind(job: Any) -> str:
     """``verl`` when the job runs upstream verl's main_ppo, else ``builtin``."""
     return "verl" if getattr(job.trainer, "module", "") == VERL_MODULE else "builtin"

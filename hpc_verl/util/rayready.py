@@ -1,0 +1,54 @@
+"""The Ray readiness record: the bootstrap's barrier writes it once every node and GPU is up; a
+trainer started before that (it imports torch and transformers and reads its data meanwhile)
+waits for it and connects with what it says.
+
+Lives below both (bootstrap writes, trainer reads): one file name, one format.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Mapping
+
+from hpc_verl.errors import BootstrapError
+from hpc_verl.util.fs import atomic_write_text
+
+#: in the job's ray/ dir, next to env.sh (the same variables, as JSON)
+READY_FILE_NAME = "ready.json"
+#: names the record for a trainer started before Ray was ready, and how long it may wait
+READY_FILE_ENV = "HPC_VERL_RAY_READY_FILE"
+READY_TIMEOUT_ENV = "HPC_VERL_RAY_READY_TIMEOUT_S"
+
+
+def write_ready(path: str | os.PathLike[str], env: Mapping[str, str]) -> None:
+    """Atomically: a reader sees the whole record or none."""
+    atomic_write_text(path, json.dumps(dict(env), sort_keys=True) + "\n")
+
+
+def wait_ready(path: str | os.PathLike[str], timeout_s: float, poll_s: float = 0.05,
+               stop: threading.Event | None = None) -> dict[str, str] | None:
+    """The record's variables (RAY_ADDRESS and the token's), once the barrier has written it;
+    None when ``stop`` is set first (the trainer failed meanwhile: nothing to connect for)."""
+    p = Path(path)
+    deadline = time.monotonic() + timeout_s
+    while stop is None or not stop.is_set():
+        try:
+            env = json.loads(p.read_text())
+        except FileNotFoundError:
+            env = None
+        except (OSError, ValueError) as exc:
+            raise BootstrapError(f"Ray readiness record {p} cannot be read ({exc}); was it written by "
+                               f"another job?") from None
+        if isinstance(env, dict) and env.get("RAY_ADDRESS"):
+            return {str(k): str(v) for k, v in env.items()}
+        if time.monotonic() > deadline:
+            raise BootstrapError(f"Ray was not ready within {timeout_s:g}s: {p} never appeared (the job's "
+                               f"ray-up stage failed or was stopped; see its log)")
+        if stop is not None:
+            stop.wait(poll_s)
+        else:
+            time.sleep(poll_s)
+    return None
