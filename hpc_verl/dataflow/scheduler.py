@@ -137,7 +137,6 @@ class HybridScheduler:
             else:
                 raise DataflowError(f"a dataflow graph named '{self.graph.name}' is already running on this Ray "
                                     f"cluster; give this graph another name or shut the other one down")
-            self._hub = raycluster.make_hub_class().options(name=name, namespace=raycluster.NAMESPACE).remote()
             self._spawned = self.pool.spawn(plan, "the graph")
         except BaseException:
             self.shutdown()
@@ -162,6 +161,10 @@ class HybridScheduler:
         procs, self._spawned = self._spawned, None
         try:
             self.pool.finish(procs or [], list(self.graph.nodes))
+            # the status actor last: its process start is not in the way of the graph's own
+            from hpc_verl.dataflow import raycluster
+            self._hub = raycluster.make_hub_class().options(name=raycluster.hub_name(self.graph.name),
+                                                            namespace=raycluster.NAMESPACE).remote()
             self._started = True
             self.monitor.publish()
             self.monitor.start()
