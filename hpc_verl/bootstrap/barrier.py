@@ -25,7 +25,7 @@ from hpc_verl.bootstrap.node import NODE_RESOURCE_PREFIX, log_tail, node_temp_di
 from hpc_verl.bootstrap.raydir import node_states, ray_dir, ray_env, read_json, read_plan
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util.fs import atomic_write_text
-from hpc_verl.util.rayready import READY_FILE_NAME, write_ready
+from hpc_verl.util.rayready import READY_FILE_NAME, WORKER_ENV_MARK, write_ready
 
 DIAG_RESERVE_S = 8.0
 
@@ -191,7 +191,7 @@ class Barrier:
     def _write_env(self, head: dict[str, Any]) -> None:
         env = ray_env(self.job_dir)
         env = {"RAY_ADDRESS": head["address"], **env,
-               "HPC_VERL_RAY_DASHBOARD": f"{head['dashboard_host']}:{head['dashboard_port']}"}
+               "HPC_VERL_RAY_DASHBOARD": f"{head['dashboard_host']}:{head['dashboard_port']}", WORKER_ENV_MARK: "1"}
         lines = [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
         atomic_write_text(ray_dir(self.job_dir) / "env.sh", "\n".join(lines) + "\n")
         write_ready(ray_dir(self.job_dir) / READY_FILE_NAME, env)   # last: a waiting trainer connects now

@@ -209,11 +209,11 @@ class DataflowRunner:
         import ray
 
         self._joined_here = True
-        pkg_parent = str(Path(__file__).resolve().parents[2])
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [pkg_parent, os.environ.get("PYTHONPATH")])),
-               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        if address:
-            ray.init(address=address, namespace="hpc_verl", runtime_env={"env_vars": env}, log_to_driver=True)
+        env = rayready.worker_env()
+        if address:   # our job's raylets have env already; another cluster's workers get it per job
+            own = os.environ.get(rayready.WORKER_ENV_MARK) == "1"
+            ray.init(address=address, namespace="hpc_verl", runtime_env=None if own else {"env_vars": env},
+                     log_to_driver=True)
             return
         # a private single-node Ray on random ports; never joins someone else's cluster
         import tempfile

@@ -23,6 +23,19 @@ READY_FILE_ENV = "HPC_VERL_RAY_READY_FILE"
 READY_TIMEOUT_ENV = "HPC_VERL_RAY_READY_TIMEOUT_S"
 
 
+#: set (to 1) in the job's env.sh / ready.json: the job's raylets carry ``worker_env()`` themselves,
+#: so a driver needs no runtime_env for it (one per-worker runtime-env set-up fewer)
+WORKER_ENV_MARK = "HPC_VERL_RAY_WORKER_ENV"
+
+
+def worker_env() -> dict[str, str]:
+    """What every Ray worker of ours needs: this package importable, tokenizers single-threaded,
+    the Hugging Face hub offline (models are local directories)."""
+    parent = str(Path(__file__).resolve().parents[2])
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [parent, os.environ.get("PYTHONPATH")])),
+            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def write_ready(path: str | os.PathLike[str], env: Mapping[str, str]) -> None:
     """Atomically: a reader sees the whole record or none."""
     atomic_write_text(path, json.dumps(dict(env), sort_keys=True) + "\n")
