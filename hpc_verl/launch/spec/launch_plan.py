@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 from hpc_verl.errors import RenderError
 from hpc_verl.launch.spec.jobconfig import JobConfig, load_job_config
+from hpc_verl.launch.spec.trainer_check import starts_with_ray
 from hpc_verl.launch.spec.render import STAGES, derived_overrides, job_stages, render_sbatch, sbatch_options
 from hpc_verl.profiles import Profile, load_profile
 from hpc_verl.util.fs import atomic_write_text
@@ -40,6 +41,11 @@ class LaunchPlan:
     def gpus_per_node(self) -> int:
         return self.profile.slurm.gpus_per_node
 
+    @property
+    def trainer_starts_with_ray(self) -> bool:
+        """Ours starts before Ray is ready (its set-up overlaps the bring-up); see the script."""
+        return "train" in self.stages and starts_with_ray(self.job)
+
     def trainer_command(self) -> list[str]:
         """The trainer command as it will run (run-time values shown as shell variables)."""
         derived = [f"{k}={v}" for k, v in derived_overrides(self.profile, self.job)]
@@ -55,7 +61,8 @@ class LaunchPlan:
             f"container {c.runtime}" + (f" {c.image}" if c.image else ""),
             f"network   {p.network.transport}" + (f" via {p.network.interface}" if p.network.interface else ""),
             f"trainer   {' '.join(self.trainer_command())}",
-            f"stages    {' -> '.join(self.stages)}",
+            f"stages    {' -> '.join(self.stages)}" + (" (the trainer starts with ray-up and connects once Ray "
+                                                       "is ready)" if self.trainer_starts_with_ray else ""),
         ]
         return "\n".join(lines)
 
@@ -64,7 +71,8 @@ class LaunchPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"profile": self.profile.name, "job": self.job.to_dict(), "sbatch_options": self.sbatch_options,
-                "stages": list(self.stages), "trainer_command": self.trainer_command(), "script": self.script}
+                "stages": list(self.stages), "trainer_starts_with_ray": self.trainer_starts_with_ray,
+                "trainer_command": self.trainer_command(), "script": self.script}
 
     def write(self, path: Union[str, "os.PathLike[str]"]) -> Path:
         """Write the script atomically (executable)."""
