@@ -108,10 +108,6 @@ class InstancePool:
                                 f"{self.start_timeout_s:g}s (the cluster's free resources changed?); "
                                 f"check 'ray status'") from None
 
-    def materialise(self, plan: PlacementPlan) -> None:
-        """Placement groups, actors, rendezvous and node objects for the whole plan."""
-        self._start(plan, "the graph", list(self.instances))
-
     def spawn(self, plan: PlacementPlan, what: str) -> list[Proc]:
         """Placement groups and processes of ``plan``; their ``__init__`` (module imports) runs
         while the caller goes on. ``finish`` sets them up."""

@@ -125,9 +125,8 @@ class DataflowWorker:
             for key in nspec.get("in_control", []):
                 ctx.versions[key] = -1
             self.hosted[node] = _Hosted(nspec, ctx)
-        for nspec in spec["nodes"].values():   # a class's slow imports, now: nobody waits for __init__ yet
             preload = getattr(nspec["target"], "preload", None) if nspec["is_class"] else None
-            if callable(preload):
+            if callable(preload):   # a class's slow imports, now: nobody waits for __init__ yet
                 preload()
 
     # ---- start-up -----------------------------------------------------------------

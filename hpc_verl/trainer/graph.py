@@ -36,10 +36,6 @@ def worker_groups(cfg: Mapping, topo: Topology) -> dict[str, Any]:
             for g in topo.groups.values()}
 
 
-#: the nodes whose init arguments are ``(cfg, total_steps)`` (their LR schedules need the count)
-TOTAL_STEPS_NODES = ("critic", "actor_update")
-
-
 def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
     """Declare the PPO dataflow for ``cfg`` (a plain dict)."""
     from hpc_verl.dataflow import DataflowGraph, Edge, Node
@@ -144,7 +140,7 @@ class DataflowRunner:
         self._started_ray = False
         self._ray_temp: str | None = None
         self._run_dir: Path | None = None
-        self._connecting: tuple[threading.Thread, threading.Event] | None = None
+        self._connecting: threading.Event | None = None   # set once begin()'s thread has connected
         self._connect_error: BaseException | None = None
         self._release = threading.Event()   # lets the thread that started a private Ray end
         self._abort = threading.Event()     # shutdown() before Ray was ready: stop waiting for it
@@ -178,13 +174,13 @@ class DataflowRunner:
             if self._started_ray:
                 self._release.wait()
         self._release.clear()
-        self._connecting = (threading.Thread(target=connect, name="hpc-verl-ray-up", daemon=True), up)
-        self._connecting[0].start()
+        self._connecting = up
+        threading.Thread(target=connect, name="hpc-verl-ray-up", daemon=True).start()
 
     def _await_connection(self) -> None:
         pending, self._connecting = self._connecting, None
         if pending is not None:
-            pending[1].wait()
+            pending.wait()
         err, self._connect_error = self._connect_error, None
         if err is not None:
             raise err
@@ -238,10 +234,9 @@ class DataflowRunner:
             install_stop_signals()   # ray.init (in the main thread) put its own SIGTERM handler (sys.exit) in place
         if self.sched is None:
             self.sched = self._scheduler(cfg, total_steps)
-        else:   # spawned by begin() before the step count was known
-            for name in TOTAL_STEPS_NODES:
-                if name in self.sched.graph.nodes:
-                    self.sched.set_init_args(name, cfg, total_steps)
+        else:   # spawned by begin() before the step count was known: the nodes' arguments with it
+            for name, node in build_ppo_graph(cfg, total_steps).nodes.items():
+                self.sched.set_init_args(name, *node.init_args, **node.init_kwargs)
         self.sched.start()
         log.info("dataflow plan:\n%s", self.sched.placement)  # (the one start() placed by; planned once)
 

@@ -149,17 +149,27 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def stop_and_wait(pids: list[int], timeout_s: float) -> None:
-    """SIGTERM ``pids`` and wait up to ``timeout_s`` for them to end (no KILL: a caller's next step)."""
+def _send(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, sig)
         except OSError:
             pass
+
+
+def _wait_gone(pids: list[int], timeout_s: float, reap_children: bool) -> None:
+    """Up to ``timeout_s`` for ``pids`` to end (``reap_children``: they are ours, collect them)."""
     deadline = time.monotonic() + timeout_s
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        reap()
+        if reap_children:
+            reap()
         time.sleep(0.05)
+
+
+def stop_and_wait(pids: list[int], timeout_s: float) -> None:
+    """SIGTERM ``pids`` and wait up to ``timeout_s`` for them to end (no KILL: a caller's next step)."""
+    _send(pids, signal.SIGTERM)
+    _wait_gone(pids, timeout_s, reap_children=True)
 
 
 KILL_WAIT_S = 2.0   # a SIGKILLed process is gone within this (kernel teardown of a large one)
@@ -169,23 +179,11 @@ def end_pids(pids: list[int], grace_s: float = 3.0) -> None:
     """TERM ``pids`` (processes outside the caller's tree), wait up to ``grace_s`` for them, KILL
     the ones left and wait up to KILL_WAIT_S for those. Reaps nothing: they are not the caller's
     children, and a caller with children of its own (a trainer's driver) must keep their statuses."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _send(pids, signal.SIGTERM)
+    _wait_gone(pids, grace_s, reap_children=False)
     left = [p for p in pids if alive(p)]
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    deadline = time.monotonic() + KILL_WAIT_S   # gone before the caller removes their files
-    while any(alive(p) for p in left) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _send(left, signal.SIGKILL)
+    _wait_gone(left, KILL_WAIT_S, reap_children=False)   # gone before the caller removes their files
 
 
 def reap_tree(root: int, wait_s: float = 0.0, grace_s: float = 5.0) -> list[int]:
