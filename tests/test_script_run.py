@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 import signal
+import subprocess
 import time
 
 import pytest
@@ -164,6 +165,56 @@ def test_requeue_budget_is_bounded(fc):
     assert "not requeueing: restart 1 of 1" in err
     assert ["requeue", JOB_ID] not in res.calls("scontrol")
 
+
+
+
+def test_wait_any_reports_a_child_that_ends_as_a_trap_runs(fc, tmp_path):
+    """hpcv_wait_any, from a rendered script, against the race itself: a child signals the shell and
+    exits at once. A loop that only retries `wait -n` after the trap misses that child in most tries
+    (bash 5.2: 18 of 20 here) and waits for the other one; hpcv_wait_any must name the child that
+    ended, with its status or, where bash lost it, an empty one."""
+    text = fc.render("testbed").read_text()
+    start = text.index("hpcv_wait_any() {")
+    func = text[start:text.index("\n}\n", start) + 3]
+    harness = tmp_path / "harness.sh"
+    harness.write_text("set -euo pipefail\n" + func + """
+trap 'x=$(date); : > "$0.trap"' USR2
+( sleep 0.3; kill -USR2 $$; exit 3 ) & a=$!
+sleep 20 & b=$!
+hpcv_wait_any "$a" "$b"
+printf '%s %s %s\\n' "$a" "$HPCV_DONE_PID" "${HPCV_DONE_RC:-lost}"
+kill "$b"
+""")
+    for _ in range(5):
+        res = subprocess.run(["bash", str(harness)], capture_output=True, text=True, timeout=15)
+        assert res.returncode == 0, res.stderr
+        child, done, status = res.stdout.split()
+        assert done == child and status in ("3", "lost"), res.stdout
+        assert (tmp_path / "harness.sh.trap").exists()  # the trap did run during the wait
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_preemption_signal_as_the_barrier_ends_keeps_the_ready_cluster(fc, attempt):
+    """bash 5.2 loses the status of a child that ends while a trap interrupts `wait -n`: the barrier
+    signals the batch shell as it exits (ready), and the run must still train, checkpoint and
+    requeue, not call the ready cluster failed. Three tries: the loss hit 18 of 20 in a bare loop."""
+    script = fc.render("testbed")
+    res = fc.run(script, FAKE_SIGNAL_AT_EXIT="barrier", FAKE_TRAINER_WAIT_PREEMPT="1")
+    assert res.rc == 0, res.stderr
+    assert "ray-up: 2 nodes and 8 GPUs ready" in res.stderr
+    assert "got SIGUSR2 before the time limit" in res.stderr
+    assert ["requeue", JOB_ID] in res.calls("scontrol")
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_preemption_signal_as_the_trainer_ends_keeps_its_status(fc, attempt):
+    """The same race for the trainer: its "requeue me" status comes from the step's own record
+    (trainer.rc) when bash lost it."""
+    script = fc.render("testbed")
+    res = fc.run(script, FAKE_SIGNAL_AT_EXIT="trainer", FAKE_TRAINER_RC="99")
+    assert res.rc == 0, res.stderr
+    assert "asks to be requeued (exit 99)" in res.stderr
+    assert ["requeue", JOB_ID] in res.calls("scontrol")
+    assert (res.run_dir / "trainer.rc").read_text() == "99\n"
 
 def test_dead_ray_head_fails_fast(fc):
     script = fc.render("testbed")
