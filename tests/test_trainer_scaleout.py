@@ -12,6 +12,7 @@ counts CPU ranks here, so W=2 is two real ranks of one torch.distributed group.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -291,6 +292,12 @@ def test_dry_run_shows_groups_ranks_and_bundles(cli):
     assert "rollout replicas: 32" in out and "worker group hybrid: world size 32" in out
     assert "ranks 0-7 on node0; ranks 8-15 on node1; ranks 16-23 on node2; ranks 24-31 on node3" in out
     assert out.count(" b31") == 1 and "reward_score_0" in out
+    # the rule reward lives in rank 0's process (hpc_verl.light_nodes_in_rank0, default true) ...
+    assert re.search(r"reward_score_0 .* b0 \(in process hybrid_0\)", out) and "32 processes" in out
+    res = cli("train", "trainer.nnodes=4", "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.strategy=fsdp",
+              "hpc_verl.light_nodes_in_rank0=false", "--dry-run")
+    assert res.returncode == 0, res.stderr   # ... or in one of its own
+    assert "(in process" not in res.stdout and "33 processes" in res.stdout
     res = cli("train", "trainer.nnodes=2", "trainer.n_gpus_per_node=8", "--dry-run",
               "hpc_verl.device_mapping={actor: [0,1,2,3], rollout: [4,5,6,7]}")
     assert res.returncode == 0 and "group actor: actor+critic, world size 8" in res.stdout, res.stderr

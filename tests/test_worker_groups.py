@@ -15,6 +15,7 @@ import time
 import pytest
 
 from hpc_verl.dataflow import ClusterNode, DataflowGraph, Edge, HybridScheduler, Node, WorkerGroup, make_plan
+from hpc_verl.dataflow.placement import place_group
 from hpc_verl.dataflow import spmd
 from hpc_verl.errors import DataflowError
 
@@ -47,13 +48,14 @@ def test_concat_gathers_tensors_and_lists_and_refuses_differing_values():
         spmd.concat([a, dict(b, v=8)])
 
 
-def _hybrid_graph(name: str, world: int, per_node: int | None = None) -> DataflowGraph:
+def _hybrid_graph(name: str, world: int, per_node: int | None = None, hosted: bool = False,
+                  resources: dict | None = None) -> DataflowGraph:
     g = DataflowGraph(name)
-    wg = WorkerGroup("hybrid", world, {"GPU": 1}, ranks_per_node=per_node)
+    wg = WorkerGroup("hybrid", world, resources or {"GPU": 1}, ranks_per_node=per_node)
     with g:
         r = Node("rollout", Rollout, group=wg, dispatch="split", split_key="uid")
         t = Node("train", Trainer, group=wg)
-        s = Node("score", score)
+        s = Node("score", Scorer, host=wg) if hosted else Node("score", score)
         Edge(r, s, co_locate=True)
         Edge(r, t)
         Edge(s, t)
@@ -78,6 +80,25 @@ def test_group_placement_one_process_per_rank_filled_in_rank_order():
         make_plan(_hybrid_graph("p2", 6, per_node=2), cluster[:2])
 
 
+def test_a_hosted_node_has_one_instance_in_rank_0s_process_also_after_a_resize():
+    cluster = [ClusterNode(f"id{i}", f"n{i}", {"CPU": 8.0, "GPU": 4.0}) for i in range(3)]
+    graph = _hybrid_graph("h", 4, per_node=2, hosted=True)
+    plan = make_plan(graph, cluster)
+    assert plan.instances["score_0"].process == "hybrid_0" and "score_1" not in plan.instances
+    assert plan.instances["score_0"].bundle == plan.instances["rollout_0"].bundle
+    assert sorted(plan.processes()) == [f"hybrid_{r}" for r in range(4)]          # no process of its own
+    assert {i.node for i in plan.processes()["hybrid_0"]} == {"rollout", "train", "score"}
+    assert len(plan.bundles) == 4 and plan.bundles[0].resources == {"GPU": 1.0, "CPU": 0.01}  # on rank 0's resources
+    text = str(plan)
+    assert "score_0 runs in worker group hybrid's rank 0 process" in text and "b0 (in process hybrid_0)" in text
+    resized = place_group(graph, "hybrid", 2, cluster, "hybrid.g2.r")
+    assert sorted(resized.processes()) == ["hybrid_0", "hybrid_1"]
+    assert {i.node for i in resized.processes()["hybrid_0"]} == {"rollout", "train", "score"}
+    assert {i.node for i in resized.processes()["hybrid_1"]} == {"rollout", "train"}
+    unhosted = make_plan(_hybrid_graph("u", 4, per_node=2), cluster)
+    assert "score_0" in unhosted.processes()                                        # the default: its own
+
+
 def test_group_and_dispatch_mistakes_are_one_line():
     wg = WorkerGroup("w", 2, {"CPU": 1})
     with pytest.raises(DataflowError, match="dispatch='splt'.*did you mean 'split'"):
@@ -93,6 +114,15 @@ def test_group_and_dispatch_mistakes_are_one_line():
     g.add(Node("b", Trainer, group=WorkerGroup("w", 2)))
     with pytest.raises(DataflowError, match="two different worker groups are named 'w'"):
         g.validate()
+    with pytest.raises(DataflowError, match="has one instance in rank 0's process.*leave parallelism"):
+        Node("s", score, host=wg, parallelism=2)
+    with pytest.raises(DataflowError, match="host= takes a WorkerGroup, for a routed node"):
+        Node("s", Trainer, group=wg, host=wg)
+    g2 = DataflowGraph("stray_host")
+    g2.add(Node("a", Trainer, group=WorkerGroup("w", 2)))
+    g2.add(Node("s", score, host=WorkerGroup("elsewhere", 1)))
+    with pytest.raises(DataflowError, match="hosted in worker group 'elsewhere', which hosts no node of this graph"):
+        g2.validate()
 
 
 # ---- node classes that run in the workers -----------------------------------------------------
@@ -176,6 +206,26 @@ class Rollout:
 
 def score(batch: dict) -> dict:
     return {"n": len(batch["x"])}
+
+
+class Scorer:
+    """``score`` with state (calls so far) and the pid it runs in: a node hosted in rank 0."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def process(self, batch: dict) -> dict:
+        self.calls += 1
+        return {"n": len(batch["x"])}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = state["calls"]
 
 
 def _batch(n_groups: int = 3, per: int = 2) -> dict:
@@ -288,6 +338,38 @@ def test_resizing_a_group_carries_its_state_and_replicas_take_items(cluster):
         decisions = sched.get_status()["decisions"]
         assert any("resized worker group hybrid (rollout, train) 2 -> 1 (test: shrink): new process group; "
                    "state of train carried over" in d for d in decisions)
+    finally:
+        sched.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_hosted_node_runs_in_rank_0_gives_the_same_results_and_keeps_its_state_over_a_resize(cluster):
+    """Node(host=group): the same results as in a process of its own (the graph above), one process
+    fewer, in rank 0's pid; a resize of the group carries its state (state_dict); it never scales."""
+    graph = _hybrid_graph("wg_hosted", 2, hosted=True, resources={"CPU": 0.5})
+    graph.nodes["train"].max_parallelism = 2
+    sched = HybridScheduler(graph, backpressure=False)
+    try:
+        sched.start()
+        for _ in range(2):
+            out = sched.run({"rollout": [_batch()]}, sinks_only=False)
+            assert out["train"][0]["scores"] == {"n": 6} and out["score"][0] == {"n": 6}
+            assert out["train"][0]["world"] == 2 and out["train"][0]["all_rows"] == 12
+        rank_pids = sched.call_all("train", "pid")
+        assert sched.call_all("score", "pid") == [rank_pids[0]]
+        assert sched.call_all("score", "state_dict") == [{"calls": 2}]
+        assert sched.adjust_parallelism("train", 1, "test: shrink") == 1
+        assert sched.instances("score") == ["score_0"]
+        assert sched.call_all("score", "state_dict") == [{"calls": 2}]       # carried over
+        assert sched.call_all("score", "pid") == sched.call_all("train", "pid")   # in the new rank 0
+        out = sched.run({"rollout": [_batch()]}, sinks_only=False)
+        assert out["train"][0]["scores"] == {"n": 6} and out["train"][0]["world"] == 1
+        assert sched.call_all("score", "state_dict") == [{"calls": 3}]
+        with pytest.raises(DataflowError, match="outside score's min/max parallelism 1..1; refused"):
+            sched.adjust_parallelism("score", 2)
+        assert any("score_0 runs in worker group hybrid's rank 0 process" in d
+                   for d in sched.get_status()["decisions"])
     finally:
         sched.shutdown()
 

@@ -110,7 +110,7 @@ class Node:
                  method: str = "process", control_method: str = "on_control", ulysses: bool | None = None,
                  min_parallelism: int = 1, max_parallelism: int | None = None, func: Any = None,
                  group: WorkerGroup | None = None, dispatch: str | None = None, split_key: str | None = None,
-                 collect: Callable[[list[Any]], Any] | None = None) -> None:
+                 collect: Callable[[list[Any]], Any] | None = None, host: WorkerGroup | None = None) -> None:
         self.name = _check_name("node", name)
         if target is None and func is not None:
             target = func
@@ -140,11 +140,20 @@ class Node:
                 raise DataflowError(f"node '{name}': dispatch='spmd' needs a worker group with dist=True "
                                     f"('{group.name}' has dist=False)")
             parallelism, res = group.world_size, dict(group.resources)
+        if host is not None:
+            # a light routed node in rank 0's process of a worker group: no process (start-up) of its own
+            if dispatch != "route" or not isinstance(host, WorkerGroup):
+                raise DataflowError(f"node '{name}': host= takes a WorkerGroup, for a routed node (no group=)")
+            if parallelism not in (None, 1) or min_parallelism != 1 or max_parallelism not in (None, 1) or res:
+                raise DataflowError(f"node '{name}': a node hosted in worker group '{host.name}' has one instance "
+                                    f"in rank 0's process, on its resources; leave parallelism and resources unset")
+            max_parallelism = 1
         if split_key is not None and dispatch != "split":
             raise DataflowError(f"node '{name}': split_key is for dispatch='split' nodes")
         if collect is not None and not callable(collect):
             raise DataflowError(f"node '{name}': collect={collect!r} must be a function of the list of shards")
         self.group = group
+        self.host = host
         self.split_key = split_key
         self.collect = collect
         self.resources = res
@@ -278,6 +287,10 @@ class DataflowGraph:
         """The nodes a worker group hosts, in topological order."""
         return [n for n in self.topo_order() if self.nodes[n].group is not None and self.nodes[n].group.name == group]
 
+    def hosted_nodes(self, group: str) -> list[str]:
+        """The routed nodes that live in the group's rank-0 process (``Node(host=...)``)."""
+        return [n for n in self.topo_order() if self.nodes[n].host is not None and self.nodes[n].host.name == group]
+
     def data_edges(self) -> list[Edge]:
         return [e for e in self.edges if not e.control]
 
@@ -373,6 +386,10 @@ class DataflowGraph:
             if g is not None and groups.setdefault(g.name, g) is not g:
                 raise DataflowError(f"graph '{self.name}': two different worker groups are named '{g.name}'; "
                                     f"pass the same WorkerGroup object to every node it hosts")
+        for node in self.nodes.values():
+            if node.host is not None and groups.get(node.host.name) is not node.host:
+                raise DataflowError(f"graph '{self.name}': node '{node.name}' is hosted in worker group "
+                                    f"'{node.host.name}', which hosts no node of this graph; pass a group of it")
         order = self.topo_order()
         if len(order) != len(self.nodes):
             cycle = self._find_cycle(set(self.nodes) - set(order))

@@ -123,8 +123,9 @@ class PlacementPlan:
             for inst in routed:
                 gpus = ",".join(map(str, inst.gpu_slots)) or "-"
                 stage = "-" if inst.stage is None else str(inst.stage)
+                shared = f" (in process {inst.process})" if inst.process != inst.instance_id else ""
                 lines.append(f"    {inst.instance_id:<24} {inst.ray_node_name:<28} {gpus:<10} {stage:<6} "
-                             f"{inst.bundle}")
+                             f"{inst.bundle}{shared}")
         lines.extend(self.decisions)
         return "\n".join(lines)
 
@@ -183,12 +184,14 @@ class _NodeState:
 
 
 def process_key(node: Node, index: int) -> str:
-    """The Ray actor an instance lives in: its worker group's rank, or its own."""
-    return f"{node.group.name}_{index}" if node.group is not None else f"{node.name}_{index}"
+    """The Ray actor an instance lives in: its worker group's rank, its host group's rank 0, or its own."""
+    group = node.group or node.host
+    return f"{group.name}_{index}" if group is not None else f"{node.name}_{index}"
 
 
 def _demand(node: Node) -> dict[str, float]:
-    return dict(node.group.resources) if node.group is not None else dict(node.resources)
+    group = node.group or node.host
+    return dict(group.resources) if group is not None else dict(node.resources)
 
 
 def unit_resources(nodes: Iterable[Node]) -> dict[str, float]:
@@ -197,7 +200,8 @@ def unit_resources(nodes: Iterable[Node]) -> dict[str, float]:
     total: dict[str, float] = {}
     seen: set[str] = set()
     for node in nodes:
-        key = node.group.name if node.group is not None else f"node:{node.name}"
+        group = node.group or node.host
+        key = group.name if group is not None else f"node:{node.name}"
         if key in seen:
             continue
         seen.add(key)
@@ -221,7 +225,7 @@ def colocation_groups(graph: DataflowGraph) -> list[list[str]]:
         if e.colocated:
             parent[find(e.src_name)] = find(e.dst_name)
     for g in graph.groups():
-        members = graph.group_nodes(g)
+        members = graph.group_nodes(g) + graph.hosted_nodes(g)
         for other in members[1:]:
             parent[find(other)] = find(members[0])
     order = graph.topo_order()
@@ -276,6 +280,14 @@ def make_plan(graph: DataflowGraph, cluster: list[ClusterNode], parallelism: dic
     _group_decisions(graph, instances, decisions)
     _assign_stages(graph, instances, decisions, par)
     return PlacementPlan(graph=graph.name, instances=instances, bundles=bundles, decisions=decisions)
+
+
+def _host_decisions(graph: DataflowGraph, group: str, decisions: list[str]) -> None:
+    hosted = graph.hosted_nodes(group)
+    if hosted:
+        verb = "runs" if len(hosted) == 1 else "run"
+        decisions.append(f"Scheduling decision: {' and '.join(f'{n}_0' for n in hosted)} {verb} in worker group "
+                         f"{group}'s rank 0 process (Node(host=...): no process of their own)")
 
 
 def _place_unit(graph: DataflowGraph, members: list[str], u: int, states: list[_NodeState],
@@ -362,6 +374,7 @@ def _group_decisions(graph: DataflowGraph, instances: dict[str, InstancePlan], d
         kind = "torch.distributed group" if g.dist else "independent replicas"
         decisions.append(f"Scheduling decision: worker group {name} ({kind}: {', '.join(graph.group_nodes(name))}) "
                          f"has {len(ranks)} rank(s) on {n_nodes} node(s): {'; '.join(spans)}")
+        _host_decisions(graph, name, decisions)
 
 
 def _assign_stages(graph: DataflowGraph, instances: dict[str, InstancePlan], decisions: list[str],
@@ -425,15 +438,16 @@ def place_group(graph: DataflowGraph, group: str, world_size: int, cluster: list
                 bundle_prefix: str) -> PlacementPlan:
     """Plan a worker group alone at ``world_size`` ranks on the free resources (a live resize)."""
     sub = DataflowGraph(f"{graph.name}-{group}")
-    for n in graph.group_nodes(group):
+    members, hosted = graph.group_nodes(group), graph.hosted_nodes(group)
+    for n in members + hosted:
         sub.nodes[n] = graph.nodes[n]
     states = [_NodeState(copy.deepcopy(cn)) for cn in cluster]
     instances: dict[str, InstancePlan] = {}
     bundles: list[BundlePlan] = []
     decisions: list[str] = []
-    members = graph.group_nodes(group)
-    for u in range(world_size):
-        _place_unit(sub, members, u, states, instances, bundles, decisions, f"{bundle_prefix}{u}")
+    for u in range(world_size):   # the hosted nodes' one instance goes with rank 0
+        _place_unit(sub, members + (hosted if u == 0 else []), u, states, instances, bundles, decisions,
+                    f"{bundle_prefix}{u}")
     _group_decisions(sub, instances, decisions)
     return PlacementPlan(graph=graph.name, instances=instances, bundles=bundles, decisions=decisions)
 

@@ -128,11 +128,12 @@ class InstancePool:
 
         from hpc_verl.dataflow.worker import DataflowWorker
 
-        first = self.graph.nodes[plans[0].node]
-        group = first.group if plans[0].group is not None else None
+        lead = next((p for p in plans if p.group is not None), plans[0])   # (hosted nodes ride with a rank)
+        first = self.graph.nodes[lead.node]
+        group = first.group if lead.group is not None else None
         res = dict(group.resources if group is not None else first.resources)
         world = self.world[group.name] if group is not None else 1
-        rank = plans[0].index if group is not None else 0
+        rank = lead.index if group is not None else 0
         spec: dict[str, Any] = {"process": key, "graph": self.graph.name, "rank": rank, "world_size": world,
                                 "group": group.name if group is not None else None,
                                 "dist": ({"backend": group.backend, "timeout_s": group.timeout_s}
@@ -292,7 +293,8 @@ class InstancePool:
             self.kill_proc(proc)
         self._generation[group] += 1
         self.world[group] = plan.groups()[group]["world_size"]
-        return self._start(plan, f"worker group {group}", self.graph.group_nodes(group))
+        return self._start(plan, f"worker group {group}",
+                           self.graph.group_nodes(group) + self.graph.hosted_nodes(group))
 
     def _start(self, plan: PlacementPlan, what: str, nodes: list[str]) -> list[Proc]:
         """Placement groups, processes, rendezvous and node objects of ``plan``; ``nodes`` routable."""

@@ -311,13 +311,17 @@ class HybridScheduler:
                         raise DataflowError(f"adjust_parallelism: cannot resize worker group {group} "
                                             f"{before} -> {target}: {problem}")
             carry = [n for n in hosted if self._has(n, "save_checkpoint")]
+            # the routed nodes living in rank 0's process (Node(host=...)) go down with it: small state
+            # travels through here
+            kept = {n: self.router.call(n, "state_dict", [()], {})[0]
+                    for n in self.graph.hosted_nodes(group) if self._has(n, "state_dict")}
             free = self._free_with_group(group)
             plan = place_group(self.graph, group, target, free, self.pool.bundle_prefix(group))
             scratch = tempfile.mkdtemp(prefix=f"hpcv-resize-{group}-", dir=self.scratch_dir)
             for n in carry:
                 self.router.call(n, "save_checkpoint", [(f"{scratch}/{n}",)], {})
             try:
-                self._restart_group(group, plan, carry, scratch)
+                self._restart_group(group, plan, carry, scratch, kept)
             except Exception as exc:  # noqa: BLE001 - back to the old size from the same state
                 self._decide(f"Scheduling decision: resizing worker group {group} to {target} failed "
                              f"({type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
@@ -325,7 +329,7 @@ class HybridScheduler:
                 try:
                     old_plan = place_group(self.graph, group, before, self._free_with_group(group),
                                            self.pool.bundle_prefix(group))
-                    self._restart_group(group, old_plan, carry, scratch)
+                    self._restart_group(group, old_plan, carry, scratch, kept)
                 except Exception:  # noqa: BLE001
                     raise DataflowError(f"adjust_parallelism: resizing worker group {group} {before} -> {target} "
                                         f"failed and so did restarting it; its state is kept in {scratch}") from None
@@ -340,13 +344,16 @@ class HybridScheduler:
                      f"{target} ({reason}): new process group{kept}")
         return target
 
-    def _restart_group(self, group: str, plan: PlacementPlan, carry: list[str], scratch: str) -> None:
+    def _restart_group(self, group: str, plan: PlacementPlan, carry: list[str], scratch: str,
+                       kept: dict[str, Any]) -> None:
         """The group's processes replaced by ``plan``'s; saved state loaded, control state re-delivered,
         Ulysses switched off again where it was."""
         procs = self.pool.replace_group(group, plan)
         for n in carry:
             self.router.call(n, "load_checkpoint", [(f"{scratch}/{n}",)], {})
-        for n in self.graph.group_nodes(group):
+        for n, state in kept.items():
+            self.router.call(n, "load_state_dict", [(state,)], {})
+        for n in self.graph.group_nodes(group) + self.graph.hosted_nodes(group):
             self.board.deliver_latest(n, procs)
             if self._ulysses.get(n) is False and self.graph.nodes[n].ulysses:
                 self._set_ulysses(self.pool.routable[n], False)

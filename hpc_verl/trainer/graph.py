@@ -48,6 +48,10 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
         spec = topo.group_of(role)
         return groups[spec.name] if spec else None
 
+    def light_host(role: str) -> Any:
+        """Where a light routed node lives: the role's group's rank 0 (one process fewer to start)."""
+        return group(role) if cfg["hpc_verl"]["light_nodes_in_rank0"] else None
+
     grpo = cfg["algorithm"]["adv_estimator"] == "grpo"
     graph = DataflowGraph(name)
     with graph:
@@ -56,13 +60,14 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
                        init_args=(cfg,))
         if group("reward") is not None:   # a reward model: rows split over its group
             reward = Node("reward_score", N.RewardNode, group=group("reward"), dispatch="split", init_args=(cfg,))
-        else:                             # rule-based: an independent replica, no device
-            reward = Node("reward_score", N.RewardNode, init_args=(cfg,))
+        else:                             # rule-based: no device; in the rollout's rank 0 unless asked not to
+            reward = Node("reward_score", N.RewardNode, init_args=(cfg,), host=light_host("rollout"))
         if group("ref") is not None:
             ref = Node("ref_logprob", N.RefNode, group=group("ref"), dispatch="spmd", init_args=(cfg,),
                        ulysses=_sp(cfg, "ref") > 1)
         if grpo:
-            adv = Node("advantage", N.AdvantageNode, init_args=(cfg,), max_parallelism=1)
+            adv = Node("advantage", N.AdvantageNode, init_args=(cfg,), max_parallelism=1,
+                       host=light_host("actor"))
         else:
             adv = Node("critic", N.CriticNode, group=group("critic"), dispatch="spmd", init_args=(cfg, total_steps),
                        ulysses=_sp(cfg, "critic") > 1)
