@@ -227,6 +227,7 @@ class DataflowRunner:
         self._ray_temp = tempfile.mkdtemp(prefix=f"{PRIVATE_RAY_PREFIX}{os.getpid()}-", dir=root)
         self._run_dir = Path(os.path.expanduser(hv["run_dir"]))
         self._started_ray = True
+        _quiet_late_log_subscriber()
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="hpc_verl",
                  log_to_driver=True, _temp_dir=self._ray_temp)
         log.info("private Ray in %s (removed at the end; its logs go to %s)", self._ray_temp,
@@ -322,6 +323,24 @@ class DataflowRunner:
                             exc.strerror or exc)
         procs.end_pids(procs.pids_using(temp), grace_s=5.0)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _quiet_late_log_subscriber() -> None:
+    """Ray's log-printing thread subscribes to the GCS a moment after ``ray.init`` returns. A run
+    that fails while its private Ray comes up (a read-only run dir) shuts that Ray down first,
+    and the late subscribe dies with a traceback under the run's one error line. The GCS of a
+    private Ray goes away only at our shutdown, so that thread's RpcError is dropped; any other
+    thread's error is reported as before."""
+    if getattr(threading.excepthook, "_hpcv_quiet", False):
+        return
+    prev = threading.excepthook
+
+    def hook(args: Any) -> None:
+        if getattr(args.thread, "name", "") == "ray_print_logs" and type(args.exc_value).__name__ == "RpcError":
+            return
+        prev(args)
+    hook._hpcv_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 PRIVATE_RAY_PREFIX = "hpcv-train-"   # <tmp>/hpcv-train-<driver pid>-<random>/: a private Ray's temp dir
