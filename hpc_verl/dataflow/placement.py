@@ -183,14 +183,19 @@ class _NodeState:
         return ids
 
 
+def _process_group(node: Node) -> Any:
+    """The worker group whose processes an instance lives in: its own, or its host (None: alone)."""
+    return node.group or node.host
+
+
 def process_key(node: Node, index: int) -> str:
     """The Ray actor an instance lives in: its worker group's rank, its host group's rank 0, or its own."""
-    group = node.group or node.host
+    group = _process_group(node)
     return f"{group.name}_{index}" if group is not None else f"{node.name}_{index}"
 
 
 def _demand(node: Node) -> dict[str, float]:
-    group = node.group or node.host
+    group = _process_group(node)
     return dict(group.resources) if group is not None else dict(node.resources)
 
 
@@ -200,7 +205,7 @@ def unit_resources(nodes: Iterable[Node]) -> dict[str, float]:
     total: dict[str, float] = {}
     seen: set[str] = set()
     for node in nodes:
-        group = node.group or node.host
+        group = _process_group(node)
         key = group.name if group is not None else f"node:{node.name}"
         if key in seen:
             continue
