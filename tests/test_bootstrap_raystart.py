@@ -85,3 +85,33 @@ def test_wait_ends_at_the_deadline_when_the_head_never_registers(tmp_path, capsy
     assert rc == 3
     assert f"the head at 127.0.0.1:{port} never registered" in err
     assert not os.path.exists(tmp_path / "stop")
+
+
+def test_ray_start_process_skips_the_cli_groups_it_does_not_use():
+    # the head's `ray start` is on the job's critical path: without serve/job/state the CLI
+    # import is ~0.4 s instead of ~1.4 s here; `start` (and `stop`, `status`) must still be there
+    code = ("import sys; from hpc_verl.bootstrap import raystart; raystart.skip_optional_cli(); "
+            "from ray.scripts import scripts; "
+            "print(sorted(set(scripts.cli.commands) & {'start', 'stop', 'status', 'serve', 'job'})); "
+            "print(sorted(m for m in ('ray.serve', 'pandas', 'fastapi') if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    commands, heavy = out.stdout.strip().splitlines()
+    assert commands == "['start', 'status', 'stop']"
+    assert heavy == "[]"
+
+
+def test_without_client_server_keeps_the_jobs_port_where_ray_has_no_hook():
+    args = ["--head", "--port=1", "--ray-client-server-port=20602", "--num-cpus=1"]
+
+    class NewRay:   # the CLI asks this function whether Ray's client extras are there
+        @staticmethod
+        def get_ray_client_dependency_error():
+            return None
+
+    cli = NewRay()
+    assert raystart.without_client_server(cli, args) == ["--head", "--port=1", "--num-cpus=1"]
+    assert cli.get_ray_client_dependency_error() is not None   # so `ray start` gives the server no port
+    # a Ray without that check would start the server on 10001 if given no port: it keeps ours
+    assert raystart.without_client_server(object(), args) == args

@@ -87,3 +87,68 @@ def test_head_retries_on_the_next_block_when_its_port_is_taken(tmp_path):
     # nothing listens on either block any more (closed connections may linger in TIME_WAIT)
     assert not set(range(base, base + 300)) & _listening_ports()
     os.rmdir(temp_root) if os.path.isdir(temp_root) and not os.listdir(temp_root) else None
+
+
+def _cmdlines(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("client_server", [False, True])
+def test_head_runs_ray_client_server_only_when_the_profile_asks(tmp_path, client_server):
+    # ray.client_server: false (the default) leaves Ray's Client server out of the head's start-up;
+    # true starts it on the job's own client port, never Ray's fixed 10001
+    base = _free_base()
+    temp_root = tempfile.mkdtemp(prefix="hpcvc", dir="/tmp")
+    job = tmp_path / "job"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    for k in ("RAY_ADDRESS", "SLURMD_NODENAME", "SLURM_GPUS_ON_NODE", "HPC_VERL_FAULT"):
+        env.pop(k, None)
+    plan = _bootstrap("plan", "--job-dir", str(job), "--job-id", "0", "--nodelist", "solo", "--node-hosts",
+                      "solo=here", "--gpus-per-node", "0", "--num-cpus", "1", "--port-base", str(base),
+                      "--port-stride", "100", "--port-slots", "3", "--allow-loopback", "true", "--temp-dir-root",
+                      temp_root, "--client-server", str(client_server).lower(), "--timeout-s", "150", env=env,
+                      stdout=subprocess.PIPE, text=True)
+    assert plan.wait(timeout=60) == 0
+    log = tmp_path / "head.log"
+    with open(log, "w") as out:
+        head = _bootstrap("head", "--job-dir", str(job), "--node", "solo", env=env, stdout=out,
+                          stderr=subprocess.STDOUT, start_new_session=True)
+    state_file = job / "ray" / "nodes" / "solo.json"
+    try:
+        deadline = time.monotonic() + 170
+        state: dict = {}
+        while time.monotonic() < deadline:
+            state = json.loads(state_file.read_text()) if state_file.exists() else {}
+            if state.get("state") in ("running", "failed") or head.poll() is not None:
+                break
+            time.sleep(0.3)
+        assert state.get("state") == "running", f"{state}\n{log.read_text()}"
+        client_port = state["ports"]["client"]
+        published = json.loads((job / "ray" / "head.json").read_text())
+        servers = [c for c in _cmdlines(procs.descendants(head.pid)) if "ray.util.client.server" in c]
+        if client_server:
+            assert published["client_port"] == client_port
+            assert len(servers) == 1 and f"--port={client_port}" in servers[0], servers
+            until = time.monotonic() + 60   # it binds once its Python has booted
+            while procs.listens_in_tree(head.pid, client_port) is False and time.monotonic() < until:
+                time.sleep(0.2)
+            assert procs.listens_in_tree(head.pid, client_port) is not False
+        else:
+            assert published["client_port"] is None
+            assert servers == []
+            assert busy_ports([client_port]) == []
+    finally:
+        (job / "ray" / "stop").write_text("")
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, 9)
+            head.wait()
+    assert head.returncode == 0, log.read_text()

@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--temp-dir-root", default=RaySection.temp_dir_root)
     plan.add_argument("--dashboard", type=_bool, default=False)
     plan.add_argument("--dashboard-host", default="127.0.0.1")
+    plan.add_argument("--client-server", type=_bool, default=False)
     plan.add_argument("--timeout-s", type=float, default=RaySection.readiness_timeout_s)
     plan.add_argument("--python", default=sys.executable)
     for verb in ("node", "head", "worker"):
@@ -99,6 +100,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                           port_slots=args.port_slots, interface=args.interface,
                           allow_loopback=args.allow_loopback, temp_dir_root=args.temp_dir_root,
                           dashboard=args.dashboard, dashboard_host=args.dashboard_host,
+                          client_server=args.client_server,
                           timeout_s=args.timeout_s, python=args.python, node_hosts=args.node_hosts)
         workers = [n for n in plan["nodes"] if n != plan["head"]]
         print(f"HPCV_RAY_HEAD={shlex.quote(plan['head'])}")

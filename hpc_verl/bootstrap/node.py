@@ -244,6 +244,7 @@ class NodeSupervisor:
         cmd = [sys.executable, "-m", "hpc_verl.bootstrap.raystart", "--stop-file", str(rdir / "stop"),
                "--timeout-s", str(max(deadline - time.monotonic(), 1.0))] \
             + ([] if self.is_head else ["--head-file", str(rdir / "head.json")]) \
+            + (["--no-client-server"] if self.is_head and not self.plan.get("client_server") else []) \
             + ["--", *self.ray_start_args(ip, ports)]
         if crash:
             cmd = [sys.executable, "-c", "import sys; sys.exit('injected fault: ray start failed')"]
@@ -260,7 +261,8 @@ class NodeSupervisor:
             atomic_write_json(ray_dir(self.job_dir) / "head.json",
                               {"node": self.node, "ip": ip, "address": f"{ip}:{ports.gcs}",
                                "gcs_port": ports.gcs, "dashboard_port": ports.dashboard,
-                               "client_port": ports.client, "dashboard_host": self.plan["dashboard_host"]})
+                               "client_port": ports.client if self.plan.get("client_server") else None,
+                               "dashboard_host": self.plan["dashboard_host"]})
         while child.poll() is None and not self._stop_requested():
             if time.monotonic() > deadline:
                 raise BootstrapError(self._start_failure(child, log_path, "ray start did not return"))

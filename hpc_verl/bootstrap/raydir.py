@@ -99,7 +99,7 @@ def node_slots(nodes: list[str], known_hosts: dict[str, str] | None = None) -> t
 def write_plan(job_dir: str, job_id: int, nodelist: str, *, gpus_per_node: int, num_cpus: int | None,
                port_base: int, port_stride: int, port_slots: int, interface: str | None,
                allow_loopback: bool, temp_dir_root: str, dashboard: bool, dashboard_host: str,
-               timeout_s: float, python: str, node_hosts: str = "") -> dict[str, Any]:
+               timeout_s: float, python: str, node_hosts: str = "", client_server: bool = False) -> dict[str, Any]:
     """Expand the node list, create the token and write ``plan.json``; returns the plan."""
     nodes = job_hostnames(nodelist)
     if not nodes:
@@ -119,7 +119,8 @@ def write_plan(job_dir: str, job_id: int, nodelist: str, *, gpus_per_node: int, 
             "num_cpus": num_cpus, "layout": {"port_base": port_base, "port_stride": port_stride,
                                              "port_slots": port_slots},
             "interface": interface, "allow_loopback": allow_loopback, "temp_dir_root": temp_dir_root,
-            "dashboard": dashboard, "dashboard_host": dashboard_host, "timeout_s": timeout_s,
+            "dashboard": dashboard, "dashboard_host": dashboard_host, "client_server": client_server,
+            "timeout_s": timeout_s,
             "python": python, "created": time.time()}
     atomic_write_json(rdir / "plan.json", plan)
     return plan

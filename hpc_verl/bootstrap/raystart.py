@@ -8,6 +8,17 @@ between lookups (``get_all_node_info_until_retrieved``), which costs a worker up
 2 s for nothing. So we poll the GCS ourselves every 50 ms and call ``ray start`` the
 moment the head's raylet is alive.
 
+The head has nothing to wait for, so what its ``ray start`` does is on the job's critical
+path. Two things it does by default that a job does not need:
+
+* Importing the CLI's ``serve``, ``job`` and state subcommands: about 1 s of the CLI's
+  1.4 s here. Ray's CLI adds each one only if it imports, so this process makes them
+  unimportable (``skip_optional_cli``, run as a script only).
+* The Ray Client server, which ``ray start --head`` always starts when Ray's client
+  extras are installed: one more Python process booting beside the dashboard and the
+  agents the raylet waits for (about 0.5 s to the head's registration on 2 cores).
+  ``--no-client-server`` (profile ``ray.client_server: false``) leaves it out.
+
 Usage (internal, from the node supervisor):
 ``python -m hpc_verl.bootstrap.raystart --head-file FILE --stop-file FILE --timeout-s T -- ARGS``
 where ``@ADDRESS@`` in ARGS is replaced by the head's GCS address.
@@ -21,6 +32,10 @@ import time
 from typing import Callable
 
 POLL_S = 0.05
+#: Ray CLI subcommand groups that ``ray start`` does not use; Ray's CLI skips each one that fails
+#: to import (ray.serve alone pulls in fastapi and pandas).
+OPTIONAL_CLI_MODULES = ("ray.serve.scripts", "ray.dashboard.modules.job.cli", "ray.util.state.state_cli")
+CLIENT_PORT_OPTION = "--ray-client-server-port"
 
 
 class _Stopped(Exception):
@@ -65,6 +80,7 @@ def main(argv: list[str]) -> int:
     head_file = opts[opts.index("--head-file") + 1] if "--head-file" in opts else None
     stop_file = opts[opts.index("--stop-file") + 1] if "--stop-file" in opts else None
     timeout_s = float(opts[opts.index("--timeout-s") + 1]) if "--timeout-s" in opts else 300.0
+    no_client = "--no-client-server" in opts
     deadline = time.monotonic() + timeout_s
     from ray.scripts import scripts  # the slow import, done before the address is known
 
@@ -78,6 +94,8 @@ def main(argv: list[str]) -> int:
             print(str(exc), file=sys.stderr)
             return 3
         ray_args = [a.replace("@ADDRESS@", address) for a in ray_args]
+    if no_client:
+        ray_args = without_client_server(scripts, ray_args)
     sys.argv = ["ray", "start", *ray_args]
     try:
         scripts.cli.main(args=["start", *ray_args], prog_name="ray", standalone_mode=False)
@@ -89,5 +107,26 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def without_client_server(scripts: object, ray_args: list[str]) -> list[str]:
+    """``ray start`` arguments and CLI state for a head without Ray's Client server.
+
+    ``ray start`` gives the server a port (10001 unless told) whenever Ray's client extras import,
+    and no port value turns it off; so the CLI is told they do not. Where this Ray's CLI has no
+    such check, the server keeps the job's own port: never Ray's fixed 10001, which two jobs on
+    one node would both take."""
+    if not callable(getattr(scripts, "get_ray_client_dependency_error", None)):
+        return ray_args
+    scripts.get_ray_client_dependency_error = lambda: "not started: ray.client_server is off"  # type: ignore[attr-defined]
+    return [a for a in ray_args if a.split("=", 1)[0] != CLIENT_PORT_OPTION]
+
+
+def skip_optional_cli() -> None:
+    """Make OPTIONAL_CLI_MODULES unimportable in this process (only in the ``ray start`` process:
+    a None in sys.modules makes every later import of that module fail)."""
+    for name in OPTIONAL_CLI_MODULES:
+        sys.modules.setdefault(name, None)
+
+
 if __name__ == "__main__":
+    skip_optional_cli()
     sys.exit(main(sys.argv[1:]))
