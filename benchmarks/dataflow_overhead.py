@@ -12,6 +12,10 @@ most ``--window`` items in flight:
   * compiled (lower bound): Ray Compiled Graphs (``experimental_compile``), one
     chain per parallel lane, the same micro-batches, the same window of
     executions in flight (its own programming model: a bound, not a baseline).
+    Its rounds come after ours and hand have alternated, with its DAG built only
+    for them: a compiled graph's actors poll their channels as long as it exists
+    (about 2 cores on an idle 2-core machine), which would slow whichever side
+    ran beside it.
 
 Case ``ppo`` (parallelism 1): one item per step through rollout -> reward ->
 actor, the rollout's output a batch of tensors (``--payload-rows`` x
@@ -280,7 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-mb", type=float, default=64.0, help="weights broadcast per PPO step (default: %(default)s)")
     p.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray (default: %(default)s)")
     p.add_argument("--no-compiled", action="store_true", help="skip the Ray Compiled Graphs lower bound")
-    B.add_common_args(p, repeats=11)  # rounds of ~0.1 s: fewer repeats leave +-10 % noise in the ratio
+    p.add_argument("--ppo-repeats", type=int, default=5,
+                   help="rounds per side of the PPO-shaped case, --ppo-steps steps each (default: %(default)s)")
+    # pipeline rounds take ~0.1 s and vary by +-20 % on a small machine: at 11 the median ratio still
+    # moved by +-5 % from run to run; 31 rounds a side cost ~10 s per parallelism
+    B.add_common_args(p, repeats=31)
     return p
 
 
@@ -295,6 +303,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("items", "micro_batch", "window", "payload_rows", "payload_seq", "payload_resp", "num_cpus"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.ppo_repeats < 1:
+        p.error(f"--ppo-repeats must be >= 1, got {a.ppo_repeats}")
     if a.ppo_steps < 0 or a.weights_mb < 0:
         p.error("--ppo-steps and --weights-mb must be >= 0")
     if a.micro_batch > a.window:
@@ -310,47 +320,61 @@ def pipeline_case(a: argparse.Namespace, p: int, prog: Any, task: Any) -> list[d
 
     items = list(range(a.items))
     sides = ["ours", "hand"]
+    times: dict[str, list[float]] = {"ours": [], "hand": [], "compiled": []}
+    done: dict[str, list[int]] = {"ours": [], "hand": [], "compiled": []}
+    loads = []
+
+    def timed(side: str, fn: Any) -> None:
+        dt, out = fn()
+        if out != items:
+            raise B.BenchError(f"pipeline p={p}: {side} lost or reordered items")
+        times[side].append(dt)
+        done[side].append(len(out))
+        loads.append(B.loadavg()[0])
+        prog.advance(task)
+
     sched = HybridScheduler(three_stage_graph(f"bench_p{p}", parallelism=p, capacity=a.window)).start()
     stages = hand_actors(p)
-    compiled, compiled_error = None, None
-    if not a.no_compiled:
-        try:
-            compiled = Compiled(p, a.micro_batch, a.window)
-            compiled.run(items)  # its first executions are slow (channel set-up): warm it
-            sides.append("compiled")
-        except Exception as exc:  # noqa: BLE001 - reported in the row: where it does not run
-            compiled_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
     run = {"ours": lambda: run_ours(sched, items, a.micro_batch),
-           "hand": lambda: run_hand(stages, items, a.micro_batch, a.window),
-           "compiled": lambda: compiled.run(items)}
-    times: dict[str, list[float]] = {k: [] for k in sides}
-    done: dict[str, list[int]] = {k: [] for k in sides}
-    loads = []
+           "hand": lambda: run_hand(stages, items, a.micro_batch, a.window)}
     try:
         for side in sides:  # warm-up round, untimed
             run[side]()
         for rep, side in B.alternating(sides, a.repeats):
-            dt, out = run[side]()
-            if out != items:
-                raise B.BenchError(f"pipeline p={p}: {side} lost or reordered items")
-            times[side].append(dt)
-            done[side].append(len(out))
-            loads.append(B.loadavg()[0])
-            prog.advance(task)
+            timed(side, run[side])
     finally:
         sched.shutdown()
         for st in stages:
             for act in st:
                 ray.kill(act)
-        if compiled is not None:
-            compiled.close()
+    # The lower bound after both sides, its DAG alive only for its own rounds: a compiled graph's
+    # actors poll their channels while it exists (about 2 cores here, idle), which would take the
+    # CPU from whichever side ran beside it.
+    compiled_error = "skipped (--no-compiled)" if a.no_compiled else None
+    if not a.no_compiled:
+        compiled = None
+        try:
+            compiled = Compiled(p, a.micro_batch, a.window)
+            compiled.run(items)  # its first executions are slow (channel set-up): warm it
+            sides.append("compiled")
+            for _ in range(a.repeats):
+                timed("compiled", lambda: compiled.run(items))
+        except B.BenchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in the row: where it does not run
+            compiled_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            if "compiled" in sides:
+                sides.remove("compiled")
+        finally:
+            if compiled is not None:
+                compiled.close()
     rows = []
     for side in ("ours", "hand", "compiled"):
         name = f"pipeline_p{p}_{side}"
         kind = {"ours": "ours", "hand": "baseline", "compiled": "lower_bound"}[side]
         if side not in sides:
             rows.append({"name": name, "kind": kind, "case": "pipeline", "parallelism": p,
-                         "error": compiled_error or "skipped (--no-compiled)"})
+                         "error": compiled_error})
             continue
         st = B.summary([t / a.items * 1e6 for t in times[side]])
         rows.append({"name": name, "kind": kind, "case": "pipeline", "parallelism": p,
@@ -375,7 +399,7 @@ def ppo_case(a: argparse.Namespace, prog: Any, task: Any) -> list[dict]:
         run_ppo_ours(sched, 2, 0)  # warm-up
         first = 2
         run_ppo_hand(hand, 2)
-        for rep, side in B.alternating(["ours", "hand"], a.repeats):
+        for rep, side in B.alternating(["ours", "hand"], a.ppo_repeats):
             if side == "ours":
                 ts, w = run_ppo_ours(sched, a.ppo_steps, first)
                 first += a.ppo_steps
@@ -426,7 +450,8 @@ def build_report(a: argparse.Namespace, rows: list[dict], env: dict) -> dict:
         notes.append("Ray Compiled Graphs did not run here: " + next(r["error"] for r in rows if r.get("error")))
     ratio = None if refused or not ratios else max(ratios)
     settings = {k: getattr(a, k) for k in ("items", "micro_batch", "window", "par", "ppo_steps", "payload_rows",
-                                           "payload_seq", "payload_resp", "weights_mb", "num_cpus", "repeats")}
+                                           "payload_seq", "payload_resp", "weights_mb", "num_cpus", "repeats",
+                                           "ppo_repeats")}
     return B.make_report("dataflow_overhead", ratio=ratio, baseline="hand-written Ray, batched",
                          ratio_definition="worst (largest) ours/hand per-item time over all cases; lower is better",
                          rows=rows, settings=settings, env=env, equal_work_ok=refused is None,
@@ -460,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         n_sides = 2 if a.no_compiled else 3
-        total = len(a.par) * n_sides * a.repeats + (2 * a.repeats if a.ppo_steps else 0)
+        total = len(a.par) * n_sides * a.repeats + (2 * a.ppo_repeats if a.ppo_steps else 0)
         with B.progress(con) as prog:
             task = prog.add_task("rounds", total=total)
             for p in a.par:

@@ -35,6 +35,7 @@ from benchmarks.counting import (COUNT_KEYS, PassCounter, generated_tokens, ours
     (dataflow_overhead, ["--parallelism", "1,x"], "expected numbers like 1,2,4"),
     (dataflow_overhead, ["--parallelism", "0"], "every value must be >= 1"),
     (dataflow_overhead, ["--micro-batch", "64", "--window", "32"], "larger than --window"),
+    (dataflow_overhead, ["--ppo-repeats", "0"], "--ppo-repeats must be >= 1"),
     (bringup, ["--nodes", "2,9"], "each count must be within 2..4"),
     (bringup, ["--sides", "ours,sleep"], "give ours and poll"),
     (bringup, ["--testbed-dir", "/x", "--nodes", "2,4"], "a single --nodes count"),
@@ -287,7 +288,7 @@ def test_bringup_report_never_uses_the_sleep_script_as_baseline():
 def test_dataflow_overhead_runs_small_and_writes_its_report(tmp_path):
     out = tmp_path / "df.json"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "dataflow_overhead.py"), "--items", "64",
-                          "--micro-batch", "8", "--window", "32", "--parallelism", "1", "--repeats", "1",
+                          "--micro-batch", "8", "--window", "32", "--parallelism", "1", "--repeats", "1", "--ppo-repeats", "1",
                           "--ppo-steps", "2", "--weights-mb", "1", "--payload-rows", "4", "--payload-seq", "16",
                           "--payload-resp", "8", "--num-cpus", "2", "--json", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
