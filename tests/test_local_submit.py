@@ -73,10 +73,11 @@ def test_submit_local_end_to_end(cli, tmp_path, tiny_model, home):
     for stage in ("stage preprocess: done", "stage model-check: done", "ray-up: 1 nodes and 0 GPUs ready",
                   "stage train: done", "job finished"):
         assert stage in res.stdout, stage
-    # our trainer starts with Ray (it loads torch and its data meanwhile) and connects after the barrier
+    # our trainer starts with Ray (it loads torch, Ray and its data meanwhile) and connects once the
+    # barrier's record is there: that may print before the barrier's own "ready" line does
     out = res.stdout
     assert out.index("train: starting the trainer now") < out.index("ray-up: head") < \
-        out.index("ray-up: 1 nodes and 0 GPUs ready") < out.index("Connected to Ray cluster")
+        out.index("Connected to Ray cluster")
     assert (wd / "data" / "gsm8k" / "train.parquet").exists()  # preprocessed once, next to the job
     jobs = list((Path(home["HPC_VERL_HOME"]) / "jobs").iterdir())
     assert len(jobs) == 1

@@ -46,3 +46,52 @@ def test_a_record_that_is_not_json_is_one_line(tmp_path):
     path.write_text("export RAY_ADDRESS=x\n")
     with pytest.raises(BootstrapError, match="cannot be read"):
         wait_ready(path, timeout_s=1)
+
+
+def test_the_token_variables_are_one_rule_for_the_barrier_and_an_early_trainer(tmp_path):
+    from hpc_verl.bootstrap.raydir import ray_dir, ray_env, token_path
+    from hpc_verl.util.rayready import auth_env
+    early = auth_env(ray_dir(tmp_path))
+    assert early == {k: v for k, v in ray_env(tmp_path).items() if k in early}
+    assert early["RAY_AUTH_TOKEN_PATH"] == str(token_path(tmp_path))
+
+
+EARLY = """
+import os, sys
+from hpc_verl.errors import BootstrapError
+from hpc_verl.trainer.graph import DataflowRunner
+assert "ray" not in sys.modules
+try:
+    DataflowRunner()._connect({"hpc_verl": {"ray_address": None}})
+except BootstrapError as exc:
+    print("error:", exc)
+print("ray imported:", "ray" in sys.modules, os.environ["RAY_AUTH_TOKEN_PATH"])
+"""
+
+
+@pytest.mark.parametrize("record", [None, "other-token"])
+def test_an_early_trainer_imports_ray_before_the_record_and_checks_its_token(tmp_path, record):
+    # Ray reads RAY_AUTH_* when it is imported: the trainer sets them from the job's ray dir and
+    # imports Ray while the cluster is still starting; a record naming another token is refused
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    rdir = tmp_path / "ray"
+    rdir.mkdir()
+    if record:
+        (rdir / "ready.json").write_text(json.dumps({"RAY_ADDRESS": "127.0.0.1:1", "RAY_AUTH_MODE": "token",
+                                                     "RAY_AUTH_TOKEN_PATH": str(tmp_path / record)}))
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update({"HPC_VERL_RAY_READY_FILE": str(rdir / "ready.json"), "HPC_VERL_RAY_READY_TIMEOUT_S": "0.3",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))})
+    out = subprocess.run([sys.executable, "-c", EARLY], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    error, imported = out.stdout.strip().splitlines()
+    assert imported == f"ray imported: True {rdir / 'token'}"
+    if record:
+        assert "names other token settings (RAY_AUTH_TOKEN_PATH)" in error and "\n" not in error
+    else:
+        assert "never appeared" in error

@@ -22,6 +22,7 @@ from typing import Any
 from hpc_verl.bootstrap.hostlist import job_hostnames
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util.fs import atomic_write_json, atomic_write_text
+from hpc_verl.util.rayready import TOKEN_FILE_NAME, auth_env
 
 
 def ray_dir(job_dir: str | os.PathLike[str]) -> Path:
@@ -41,7 +42,7 @@ def read_cluster_info(job_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def token_path(job_dir: str | os.PathLike[str]) -> Path:
-    return ray_dir(job_dir) / "token"
+    return ray_dir(job_dir) / TOKEN_FILE_NAME
 
 
 def make_token(job_dir: str | os.PathLike[str]) -> Path:
@@ -55,8 +56,7 @@ def make_token(job_dir: str | os.PathLike[str]) -> Path:
 
 def ray_env(job_dir: str | os.PathLike[str]) -> dict[str, str]:
     """Variables every Ray process of this job needs (token auth, no usage stats)."""
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path(job_dir)),
-            "RAY_USAGE_STATS_ENABLED": "0"}
+    return {**auth_env(ray_dir(job_dir)), "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def parse_node_hosts(text: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping
 
-from hpc_verl.errors import ConfigError, install_stop_signals
+from hpc_verl.errors import BootstrapError, ConfigError, install_stop_signals
 from hpc_verl.util import rayready
 from hpc_verl.trainer.topology import Topology, topology
 
@@ -198,14 +198,22 @@ class DataflowRunner:
             return
         address = hv["ray_address"] or os.environ.get("RAY_ADDRESS")
         if not address and os.environ.get(rayready.READY_FILE_ENV):
-            # started by the job script before Ray was up: connect once its barrier has passed. Before
-            # Ray is imported: it reads the token variables (RAY_AUTH_MODE, ...) when it loads
-            ready = rayready.wait_ready(os.environ[rayready.READY_FILE_ENV],
-                                        float(os.environ.get(rayready.READY_TIMEOUT_ENV) or 600),
+            # started by the job script before Ray was up: connect once its barrier has passed. Ray
+            # reads the token variables when it is imported, and they are known now (the token sits
+            # next to the record): import it while the cluster starts, not after
+            ready_file = os.environ[rayready.READY_FILE_ENV]
+            auth = rayready.auth_env(Path(ready_file).parent)
+            os.environ.update(auth)
+            import ray  # noqa: F401
+            ready = rayready.wait_ready(ready_file, float(os.environ.get(rayready.READY_TIMEOUT_ENV) or 600),
                                         stop=self._abort)
             if ready is None:   # shut down while waiting: connect to nothing
                 return
-            os.environ.update(ready)   # RAY_ADDRESS and the job's token variables, as the script's env.sh has them
+            differ = sorted(k for k, v in auth.items() if ready.get(k, v) != v)
+            if differ:
+                raise BootstrapError(f"Ray readiness record {ready_file} names other token settings "
+                                     f"({', '.join(differ)}) than its job's ray dir; was it written by another job?")
+            os.environ.update(ready)   # RAY_ADDRESS (and the same token variables), as the script's env.sh has them
             address = ready["RAY_ADDRESS"]
         import ray
 

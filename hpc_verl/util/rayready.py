@@ -18,6 +18,8 @@ from hpc_verl.util.fs import atomic_write_text
 
 #: in the job's ray/ dir, next to env.sh (the same variables, as JSON)
 READY_FILE_NAME = "ready.json"
+#: the job's Ray token, in the same dir (written when the job's Ray is planned)
+TOKEN_FILE_NAME = "token"
 #: names the record for a trainer started before Ray was ready, and how long it may wait
 READY_FILE_ENV = "HPC_VERL_RAY_READY_FILE"
 READY_TIMEOUT_ENV = "HPC_VERL_RAY_READY_TIMEOUT_S"
@@ -34,6 +36,13 @@ def worker_env() -> dict[str, str]:
     parent = str(Path(__file__).resolve().parents[2])
     return {"PYTHONPATH": os.pathsep.join(filter(None, [parent, os.environ.get("PYTHONPATH")])),
             "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def auth_env(ray_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """The token variables of the job whose Ray files are in ``ray_dir``. Ray reads them when it
+    is imported (the token file itself only when it connects), so a trainer started before Ray
+    is up sets these and imports Ray while the cluster is still starting."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path(ray_dir) / TOKEN_FILE_NAME)}
 
 
 def write_ready(path: str | os.PathLike[str], env: Mapping[str, str]) -> None:
