@@ -44,6 +44,17 @@ RAY_START_TRIES = 3
 #: after Ray died under a running job: how long the node waits for the job to stop it (the job stops
 #: its trainer first, so Ray's remaining daemons do not shout into the trainer's log as they go)
 LOST_WAIT_S = 10.0
+#: how often the supervisor looks at its raylet while the job runs
+SUPERVISOR_POLL_S = 0.25
+#: a multi-threaded raylet shows as a zombie before its last threads are gone; its exit status
+#: (how it ended, for the diagnosis) can take this long to reap
+RAYLET_REAP_S = 2.0
+#: how often ``hpc_verl.bootstrap watch`` reads the nodes' states
+WATCH_POLL_S = 0.25
+#: bound from a node's raylet dying to the watcher reporting it (polls, reap, a state write): a
+#: trainer that failed because its Ray went away can end before that, and the job script waits
+#: this long for the node's diagnosis before it blames the trainer (rendered into the script)
+FAILURE_REPORT_S = SUPERVISOR_POLL_S + RAYLET_REAP_S + WATCH_POLL_S + 1.0
 
 
 class _RayLost(BootstrapError):
@@ -217,14 +228,14 @@ class NodeSupervisor:
             if not procs.alive(raylet):
                 # a multi-threaded process shows as a zombie before its last threads are gone; only
                 # then can it be reaped (its wait status says how it ended)
-                until = time.monotonic() + 2.0
+                until = time.monotonic() + RAYLET_REAP_S
                 while raylet not in exited and time.monotonic() < until:
                     exited.update(procs.reap())
                     time.sleep(0.02)
                 how = procs.describe_status(exited[raylet]) if raylet in exited else "exited"
                 raise _RayLost(f"node {self.node}: raylet (pid {raylet}) {how} while the job ran; Ray on "
                                      f"this node is gone (its log: {self._kept_logs()}/raylet.out)")
-            time.sleep(0.25)
+            time.sleep(SUPERVISOR_POLL_S)
         return 0
 
     def _kept_logs(self) -> Path:

@@ -13,6 +13,8 @@ Rules that keep the scripts safe and reviewable:
 """
 from __future__ import annotations
 
+import math
+
 import re
 import shlex
 from functools import lru_cache
@@ -22,6 +24,7 @@ from typing import Any, Callable, Optional
 import jinja2
 
 from hpc_verl._version import __version__
+from hpc_verl.bootstrap.node import FAILURE_REPORT_S
 from hpc_verl.errors import FAILURE_FILE_NAME, RenderError
 from hpc_verl.launch.spec.jobconfig import JobConfig
 from hpc_verl.profiles.schema import Profile, parse_size_bytes
@@ -275,6 +278,7 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False,
         "expiry": _expiry_context(profile, job),
         "job_id": job_id,
         "failure_file": FAILURE_FILE_NAME,
+        "node_failure_report_ds": math.ceil(FAILURE_REPORT_S * 10),
     }
 
 
