@@ -131,6 +131,9 @@ def test_head_runs_ray_client_server_only_when_the_profile_asks(tmp_path, client
             time.sleep(0.3)
         assert state.get("state") == "running", f"{state}\n{log.read_text()}"
         client_port = state["ports"]["client"]
+        # the raylet starts its workers at niceness 0 (Ray's default is 15): it has the setting
+        environ = Path(f"/proc/{state['raylet_pid']}/environ").read_bytes().split(b"\0")
+        assert b"RAY_worker_niceness=0" in environ
         published = json.loads((job / "ray" / "head.json").read_text())
         servers = [c for c in _cmdlines(procs.descendants(head.pid)) if "ray.util.client.server" in c]
         if client_server:

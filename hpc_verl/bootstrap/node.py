@@ -32,7 +32,7 @@ from hpc_verl.util import procs
 from hpc_verl.bootstrap.netif import select_ip, tcp_open
 from hpc_verl.bootstrap.ports import block_shift, busy_ports, pick_node_ports
 from hpc_verl.bootstrap.raydir import ray_dir, ray_env, read_json, read_plan, write_node_state
-from hpc_verl.util.rayready import worker_env
+from hpc_verl.util.rayready import RAYLET_ENV, worker_env
 from hpc_verl.errors import FAILURE_FILE_NAME, BootstrapError, record_failure
 from hpc_verl.util.fs import atomic_write_json
 
@@ -124,7 +124,7 @@ class NodeSupervisor:
         self.stopping = False
         self._squatter: socket.socket | None = None
         # the workers the raylet starts inherit worker_env() (the barrier says so: WORKER_ENV_MARK)
-        self.env = {**os.environ, **ray_env(job_dir), **worker_env(), "HPC_VERL_RAY_NODE": self.node}
+        self.env = {**os.environ, **ray_env(job_dir), **worker_env(), **RAYLET_ENV, "HPC_VERL_RAY_NODE": self.node}
         # a loaded node starts Ray's agents slowly; the readiness barrier bounds the wait instead
         self.env.setdefault("RAY_agent_register_timeout_ms", "120000")
         # ray start would otherwise pick up ~/.ray/auth_token of whoever runs it

@@ -227,7 +227,7 @@ class DataflowRunner:
         # a private single-node Ray on random ports; never joins someone else's cluster
         import tempfile
 
-        os.environ.update(env)
+        os.environ.update({**env, **rayready.RAYLET_ENV})
         cpus = hv["ray_num_cpus"] or max(os.cpu_count() or 1, _ray_cpus_needed(cfg))
         # short and unique: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
         root = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()

@@ -45,6 +45,13 @@ def auth_env(ray_dir: str | os.PathLike[str]) -> dict[str, str]:
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path(ray_dir) / TOKEN_FILE_NAME)}
 
 
+#: for the raylets of our own Rays (the job's, a trainer's private one): the workers they start run
+#: at the niceness of everything else. Ray's default (15) lets any other process take the CPU from
+#: them; ours are the training ranks, and on a busy start-up their imports of torch and
+#: transformers are the critical path (a driver and Ray's agents at 0 would come first)
+RAYLET_ENV = {"RAY_worker_niceness": "0"}
+
+
 def write_ready(path: str | os.PathLike[str], env: Mapping[str, str]) -> None:
     """Atomically: a reader sees the whole record or none."""
     atomic_write_text(path, json.dumps(dict(env), sort_keys=True) + "\n")
