@@ -38,32 +38,57 @@ def _bootstrap(*args: str, env: dict, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hpc_verl.bootstrap", *args], env=env, **kw)
 
 
-def test_head_retries_on_the_next_block_when_its_port_is_taken(tmp_path):
-    base = _free_base()
-    temp_root = tempfile.mkdtemp(prefix="hpcvr", dir="/tmp")
+def _start_head(tmp_path: Path, base: int, temp_root: str, *plan_args: str,
+                fault: str | None = None) -> tuple[Path, subprocess.Popen, Path]:
+    """Plan a one-node job on the port block at ``base`` and start its head as srun would."""
     job = tmp_path / "job"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "HPC_VERL_FAULT": "port-race", "HPC_VERL_FAULT_NODE": "solo", "RAY_USAGE_STATS_ENABLED": "0"}
-    for k in ("RAY_ADDRESS", "SLURMD_NODENAME", "SLURM_GPUS_ON_NODE"):
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    for k in ("RAY_ADDRESS", "SLURMD_NODENAME", "SLURM_GPUS_ON_NODE", "HPC_VERL_FAULT"):
         env.pop(k, None)
+    if fault:
+        env.update({"HPC_VERL_FAULT": fault, "HPC_VERL_FAULT_NODE": "solo"})
     plan = _bootstrap("plan", "--job-dir", str(job), "--job-id", "0", "--nodelist", "solo", "--node-hosts",
                       "solo=here", "--gpus-per-node", "0", "--num-cpus", "1", "--port-base", str(base),
                       "--port-stride", "100", "--port-slots", "3", "--allow-loopback", "true", "--temp-dir-root",
-                      temp_root, "--timeout-s", "150", env=env, stdout=subprocess.PIPE, text=True)
+                      temp_root, "--timeout-s", "150", *plan_args, env=env, stdout=subprocess.PIPE, text=True)
     assert plan.wait(timeout=60) == 0
     log = tmp_path / "head.log"
     with open(log, "w") as out:
         head = _bootstrap("head", "--job-dir", str(job), "--node", "solo", env=env, stdout=out,
                           stderr=subprocess.STDOUT, start_new_session=True)
+    return job, head, log
+
+
+def _settled_state(job: Path, head: subprocess.Popen) -> dict:
+    """The head's state once it is running or failed (or its process ended), bounded."""
+    state_file = job / "ray" / "nodes" / "solo.json"
+    deadline = time.monotonic() + 170
+    state: dict = {}
+    while time.monotonic() < deadline:
+        state = json.loads(state_file.read_text()) if state_file.exists() else {}
+        if state.get("state") in ("running", "failed") or head.poll() is not None:
+            break
+        time.sleep(0.3)
+    return state
+
+
+def _stop_head(job: Path, head: subprocess.Popen) -> None:
+    (job / "ray" / "stop").write_text("")
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, 9)
+        head.wait()
+
+
+def test_head_retries_on_the_next_block_when_its_port_is_taken(tmp_path):
+    base = _free_base()
+    temp_root = tempfile.mkdtemp(prefix="hpcvr", dir="/tmp")
+    job, head, log = _start_head(tmp_path, base, temp_root, fault="port-race")
     state_file = job / "ray" / "nodes" / "solo.json"
     try:
-        deadline = time.monotonic() + 170
-        state: dict = {}
-        while time.monotonic() < deadline:
-            state = json.loads(state_file.read_text()) if state_file.exists() else {}
-            if state.get("state") in ("running", "failed") or head.poll() is not None:
-                break
-            time.sleep(0.3)
+        state = _settled_state(job, head)
         text = log.read_text()
         assert state.get("state") == "running", f"{state}\n{text}"
         assert state["retries"] == 1 and state["ports"]["block_start"] == base + 100  # the next block
@@ -75,12 +100,7 @@ def test_head_retries_on_the_next_block_when_its_port_is_taken(tmp_path):
         # the first block's GCS port is still held, by the "other process" (not one of the head's Ray daemons)
         assert busy_ports([base]) == [base] and procs.listens_in_tree(head.pid, base) is False
     finally:
-        (job / "ray" / "stop").write_text("")
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, 9)
-            head.wait()
+        _stop_head(job, head)
     assert head.returncode == 0, log.read_text()
     final = json.loads(state_file.read_text())
     assert final["state"] == "stopped" and final["temp_dir_removed"]
@@ -105,30 +125,9 @@ def test_head_runs_ray_client_server_only_when_the_profile_asks(tmp_path, client
     # true starts it on the job's own client port, never Ray's fixed 10001
     base = _free_base()
     temp_root = tempfile.mkdtemp(prefix="hpcvc", dir="/tmp")
-    job = tmp_path / "job"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    for k in ("RAY_ADDRESS", "SLURMD_NODENAME", "SLURM_GPUS_ON_NODE", "HPC_VERL_FAULT"):
-        env.pop(k, None)
-    plan = _bootstrap("plan", "--job-dir", str(job), "--job-id", "0", "--nodelist", "solo", "--node-hosts",
-                      "solo=here", "--gpus-per-node", "0", "--num-cpus", "1", "--port-base", str(base),
-                      "--port-stride", "100", "--port-slots", "3", "--allow-loopback", "true", "--temp-dir-root",
-                      temp_root, "--client-server", str(client_server).lower(), "--timeout-s", "150", env=env,
-                      stdout=subprocess.PIPE, text=True)
-    assert plan.wait(timeout=60) == 0
-    log = tmp_path / "head.log"
-    with open(log, "w") as out:
-        head = _bootstrap("head", "--job-dir", str(job), "--node", "solo", env=env, stdout=out,
-                          stderr=subprocess.STDOUT, start_new_session=True)
-    state_file = job / "ray" / "nodes" / "solo.json"
+    job, head, log = _start_head(tmp_path, base, temp_root, "--client-server", str(client_server).lower())
     try:
-        deadline = time.monotonic() + 170
-        state: dict = {}
-        while time.monotonic() < deadline:
-            state = json.loads(state_file.read_text()) if state_file.exists() else {}
-            if state.get("state") in ("running", "failed") or head.poll() is not None:
-                break
-            time.sleep(0.3)
+        state = _settled_state(job, head)
         assert state.get("state") == "running", f"{state}\n{log.read_text()}"
         client_port = state["ports"]["client"]
         # the raylet starts its workers at niceness 0 (Ray's default is 15): it has the setting
@@ -148,10 +147,5 @@ def test_head_runs_ray_client_server_only_when_the_profile_asks(tmp_path, client
             assert servers == []
             assert busy_ports([client_port]) == []
     finally:
-        (job / "ray" / "stop").write_text("")
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, 9)
-            head.wait()
+        _stop_head(job, head)
     assert head.returncode == 0, log.read_text()
