@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 
+from hpc_verl.bootstrap.timing import WATCH_POLL_S
 from hpc_verl.errors import FAILURE_FILE_NAME, BootstrapError, HpcVerlError, record_failure
 from hpc_verl.profiles.schema import RaySection  # the defaults of the profile's ray section: one place
 
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--timeout-s", type=float, default=None)
     wa = sub.add_parser("watch")
     wa.add_argument("--job-dir", required=True)
-    wa.add_argument("--poll-s", type=float, default=None, help="(default: node.WATCH_POLL_S)")
+    wa.add_argument("--poll-s", type=float, default=WATCH_POLL_S)
     s = sub.add_parser("stop")
     s.add_argument("--job-dir", required=True)
     s.add_argument("--node", default=None)
@@ -124,9 +125,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         Barrier(args.job_dir, parse_pids(args.srun_pids), args.timeout_s).wait()
         return 0
     if args.verb == "watch":
-        from hpc_verl.bootstrap.node import WATCH_POLL_S
-
-        return _watch(args.job_dir, WATCH_POLL_S if args.poll_s is None else args.poll_s)
+        return _watch(args.job_dir, args.poll_s)
     if args.verb == "stop":
         return _stop(args.job_dir, args.node)
     if args.verb == "hostnames":

@@ -32,6 +32,7 @@ from hpc_verl.util import procs
 from hpc_verl.bootstrap.netif import select_ip, tcp_open
 from hpc_verl.bootstrap.ports import block_shift, busy_ports, pick_node_ports
 from hpc_verl.bootstrap.raydir import ray_dir, ray_env, read_json, read_plan, write_node_state
+from hpc_verl.bootstrap.timing import RAYLET_REAP_S, SUPERVISOR_POLL_S
 from hpc_verl.util.rayready import RAYLET_ENV, worker_env
 from hpc_verl.errors import FAILURE_FILE_NAME, BootstrapError, record_failure
 from hpc_verl.util.fs import atomic_write_json
@@ -44,17 +45,6 @@ RAY_START_TRIES = 3
 #: after Ray died under a running job: how long the node waits for the job to stop it (the job stops
 #: its trainer first, so Ray's remaining daemons do not shout into the trainer's log as they go)
 LOST_WAIT_S = 10.0
-#: how often the supervisor looks at its raylet while the job runs
-SUPERVISOR_POLL_S = 0.25
-#: a multi-threaded raylet shows as a zombie before its last threads are gone; its exit status
-#: (how it ended, for the diagnosis) can take this long to reap
-RAYLET_REAP_S = 2.0
-#: how often ``hpc_verl.bootstrap watch`` reads the nodes' states
-WATCH_POLL_S = 0.25
-#: bound from a node's raylet dying to the watcher reporting it (polls, reap, a state write): a
-#: trainer that failed because its Ray went away can end before that, and the job script waits
-#: this long for the node's diagnosis before it blames the trainer (rendered into the script)
-FAILURE_REPORT_S = SUPERVISOR_POLL_S + RAYLET_REAP_S + WATCH_POLL_S + 1.0
 
 
 class _RayLost(BootstrapError):

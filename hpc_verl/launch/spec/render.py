@@ -14,7 +14,6 @@ Rules that keep the scripts safe and reviewable:
 from __future__ import annotations
 
 import math
-
 import re
 import shlex
 from functools import lru_cache
@@ -24,7 +23,7 @@ from typing import Any, Callable, Optional
 import jinja2
 
 from hpc_verl._version import __version__
-from hpc_verl.bootstrap.node import FAILURE_REPORT_S
+from hpc_verl.bootstrap.timing import FAILURE_REPORT_S
 from hpc_verl.errors import FAILURE_FILE_NAME, RenderError
 from hpc_verl.launch.spec.jobconfig import JobConfig
 from hpc_verl.profiles.schema import Profile, parse_size_bytes
