@@ -99,6 +99,29 @@ def test_pick_node_ports_moves_off_a_taken_block():
     assert want.node_manager not in got.all_ports(head=True)
 
 
+
+def _leave_time_wait(port: int) -> None:
+    """Close a served connection on ``port`` from the server side, as a Ray that just ended does."""
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("", port))
+        srv.listen()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = srv.accept()
+            conn.close()        # the server closes first: its side (``port``) goes to TIME_WAIT
+            client.recv(1)      # the peer sees the close before it closes too
+
+
+def test_a_port_left_in_time_wait_is_free_to_the_next_job():
+    """CI failure of fault 9: a block whose ports an earlier job left in TIME_WAIT was "taken"."""
+    want = port_block(13, port_base=24000, port_stride=100, port_slots=50)
+    _leave_time_wait(want.gcs)
+    with socket.socket() as plain:   # the TIME_WAIT is there: a bind without SO_REUSEADDR fails
+        with pytest.raises(OSError):
+            plain.bind(("", want.gcs))
+    assert busy_ports([want.gcs]) == []
+    assert pick_node_ports(13, head=True, port_base=24000, port_stride=100, port_slots=50) == want
+
 # ----------------------------------------------------------------------------- IP selection
 IFACES = {"lo": "127.0.0.1", "docker0": "172.17.0.1", "eth0": "10.1.2.3", "ib0": "10.9.0.5"}
 

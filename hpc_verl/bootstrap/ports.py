@@ -115,10 +115,16 @@ def port_block(job_id: int, *, port_base: int = RaySection.port_base, port_strid
 
 
 def busy_ports(ports: list[int], host: str = "") -> list[int]:
-    """The ports of ``ports`` that cannot be bound right now on ``host`` (all addresses by default)."""
+    """The ports of ``ports`` that a server cannot bind right now on ``host`` (all addresses by default).
+
+    The probe sets ``SO_REUSEADDR`` as Ray's servers (gRPC, aiohttp, http.server) do: a port left in
+    TIME_WAIT by a job that just ended is free to them, and counting it as taken pushed a job off
+    its block and, with few blocks, off all of them. A listening socket still makes a port busy.
+    """
     busy = []
     for port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError:
