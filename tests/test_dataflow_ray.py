@@ -71,21 +71,27 @@ def test_ppo_graph_places_as_planned_runs_iterations_and_shows_on_dashboard(clus
                    for line in status["decisions"])
 
         # PPO iterations: the critic publishes policy v(it+1) over the strong control edge;
-        # every rollout of iteration it must have used exactly v(it)
+        # every rollout of iteration it must have used exactly v(it). The item that publishes runs
+        # alone, after the others: a version published mid-run may reach a rollout whose item is
+        # still queued (strong = never older than the last published, docs/dataflow.md), and with
+        # all four in one run the critic of item 3 can finish before the rollout of item 2 starts
         sched.send_control("updated_policy", {"policy_step": 0}, version=0)
         for it in range(3):
             batches = [{"prompts": [f"q{it}.{i}"], "iteration": it, "last": i == 3} for i in range(4)]
-            out = sched.run({"actor_rollout": batches})["critic_train"]
+            out = sched.run({"actor_rollout": batches[:3]})["critic_train"]
+            out += sched.run({"actor_rollout": batches[3:]})["critic_train"]
             assert [b["prompts"] for b in out] == [x["prompts"] for x in batches]
             assert {b["policy_version"] for b in out} == {it}
             assert {b["ctx_version"] for b in out} == {it}
             for b in out:  # the co-located edge never crossed nodes
                 assert b["rollout"]["ray_node_id"] == b["reward"]["ray_node_id"]
         assert sched.call_all("actor_rollout", "get_version") == [3, 3, 3, 3]
-        assert sched.call_all("critic_train", "save_checkpoint", "/ckpt") == ["/ckpt/critic_train_0:6",
-                                                                             "/ckpt/critic_train_1:6"]
-        assert sched.call_each("critic_train", "save_checkpoint", [("/a",), ("/b",)]) == ["/a/critic_train_0:6",
-                                                                                          "/b/critic_train_1:6"]
+        saved = sched.call_all("critic_train", "save_checkpoint", "/ckpt")   # in instance order, all 12 items
+        assert [s.rsplit(":", 1)[0] for s in saved] == ["/ckpt/critic_train_0", "/ckpt/critic_train_1"]
+        steps = [s.rsplit(":", 1)[1] for s in saved]
+        assert sum(map(int, steps)) == 12 and min(map(int, steps)) > 0
+        assert sched.call_each("critic_train", "save_checkpoint", [("/a",), ("/b",)]) == [
+            f"/a/critic_train_0:{steps[0]}", f"/b/critic_train_1:{steps[1]}"]
 
         with pytest.warns(UserWarning):
             assert sched.disable_ulysses("reward_score") is False
