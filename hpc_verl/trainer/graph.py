@@ -153,7 +153,7 @@ class DataflowRunner:
 
     def begin(self, cfg: Mapping) -> None:
         """Start (or join) Ray and spawn the graph's processes in a thread now: they come up
-        while the driver imports torch and transformers and reads the tokenizer and data (on
+        while the driver reads the tokenizer and data (on
         a small machine these are most of the start-up); ``start`` waits for it. (Ray installs
         no signal handler outside the main thread; ours go in when ``start`` joins it.)"""
         ray = sys.modules.get("ray")   # (not imported here: see _connect)

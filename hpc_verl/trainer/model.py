@@ -2,8 +2,10 @@
 
 ``make_tiny_model`` writes a randomly initialised Llama-architecture causal LM and
 a character-level tokenizer built with the ``tokenizers`` library (with a chat
-template), all made locally: no hub access. ``check_model`` is the job's model
-stage: config and tokenizer must load offline, weights must be present.
+template), all made locally: no hub access. ``check_model`` is the full offline
+check (``hpc-verl check-model``): config and tokenizer must load, weights must be
+present; the trainer's driver makes the light one (``check_model_files``) and
+leaves loading the model to its ranks.
 """
 from __future__ import annotations
 
@@ -22,11 +24,15 @@ class ModelError(HpcVerlError):
     """A model directory is missing, incomplete or unreadable."""
 
 
-def quiet_transformers() -> None:
-    """Offline, quiet transformers in this process (no hub, no progress bars, no fork warnings)."""
+def quiet_transformers(import_now: bool = True) -> None:
+    """Offline, quiet transformers in this process (no hub, no progress bars, no fork warnings);
+    ``import_now=False`` sets only the environment (transformers reads it when imported)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if not import_now:
+        return
     try:
         import transformers
         transformers.logging.set_verbosity_error()
@@ -116,6 +122,38 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
     except (OSError, ValueError) as exc:
         raise ModelError(f"model {p}: config.json is not valid JSON ({exc})") from None
     return p
+
+
+def check_model_files(path: str | os.PathLike[str]) -> Path:
+    """The driver's check, without transformers: config.json names a model type and weights are
+    there (the ranks load the model itself, and say so in one line when it does not load)."""
+    p = check_model_dir(path)
+    if not json.loads((p / "config.json").read_text()).get("model_type"):
+        raise ModelError(f"model {p}: config.json has no model_type; is this a Hugging Face model directory?")
+    if not any((p / f).is_file() for f in WEIGHT_FILES):
+        raise ModelError(f"model {p}: no weights ({' or '.join(WEIGHT_FILES[:2])}) found")
+    return p
+
+
+def load_driver_tokenizer(path: str | os.PathLike[str], chat_template: str | None = None, fast: bool = True,
+                          trust_remote_code: bool = False) -> Any:
+    """The tokenizer the driver encodes prompts with (``hpc_verl.data.prompt_tokenizer``; with
+    ``fast=False`` transformers' AutoTokenizer); one ModelError line when it does not load."""
+    from hpc_verl.data.prompt_tokenizer import load_prompt_tokenizer
+
+    quiet_transformers(import_now=False)
+    try:
+        if fast:
+            return load_prompt_tokenizer(path, chat_template, trust_remote_code)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers and tokenizers raise many types here
+        raise ModelError(f"model {path}: tokenizer does not load ({_first_line(exc)}); "
+                         "add tokenizer.json / tokenizer_config.json to the directory") from None
+    if chat_template:
+        tok.chat_template = chat_template
+    return tok
 
 
 def check_model(path: str | os.PathLike[str], need_weights: bool = True) -> dict:

@@ -21,10 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 from hpc_verl.dataflow.context import SNAPSHOT, TENSORS
-from hpc_verl.trainer import algorithms as A
-from hpc_verl.trainer import workers as W
-from hpc_verl.trainer.lm import can_share_prompts, response_log_probs
 from hpc_verl.trainer.model import quiet_transformers
+
+# algorithms, workers and lm import torch: each method imports what it uses, so the driver, which
+# imports this module for the node classes only (to build the graph), never imports torch
 
 POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
 
@@ -78,7 +78,15 @@ class RolloutNode:
                                   "actor_rollout_ref.rollout.top_k=-1 and top_p=1.0")
             self.sampler_log_prob_ok = True
 
+    def check_prompt_ids(self, samples: list, chat_template: str | None) -> int:
+        """The driver's prompts, rendered and encoded again by this rollout's transformers
+        tokenizer (``hpc_verl.data.prompt_tokenizer``); one line where they differ."""
+        from hpc_verl.data.prompt_tokenizer import check_prompt_ids
+
+        return check_prompt_ids(self.worker.tokenizer, samples, chat_template, "actor_rollout")
+
     def process(self, shard: dict) -> dict:
+        from hpc_verl.trainer.lm import can_share_prompts, response_log_probs
         ctx = _context()
         first_row = ctx.shard_rows[0] if ctx.shard_rows else 0
         out = self.worker.generate(shard, required_version=shard.get("required_version"), first_row=first_row)
@@ -112,6 +120,7 @@ class RolloutNode:
 
 class RewardNode:
     def __init__(self, cfg: dict) -> None:
+        from hpc_verl.trainer import workers as W
         if cfg["reward_model"]["enable"]:   # rule rewards score the rollout's text: no transformers import
             quiet_transformers()
         self.worker = W.RewardWorker(cfg)
@@ -149,6 +158,7 @@ class RefNode(_Ulysses):
     preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict) -> None:
+        from hpc_verl.trainer import workers as W
         quiet_transformers()
         self.worker = W.RefWorker(cfg)
 
@@ -163,10 +173,12 @@ class _AdvantageMixin:
     kl_ctrl: Any
 
     def _init_kl(self, cfg: dict) -> None:
+        from hpc_verl.trainer import algorithms as A
         self.cfg = cfg
         self.kl_ctrl = A.make_kl_controller(cfg["algorithm"]["kl_ctrl"])
 
     def _token_rewards(self, batch: dict, scores: Any, ref: dict | None) -> tuple[Any, dict]:
+        from hpc_verl.trainer import algorithms as A
         algo = self.cfg["algorithm"]
         mask = batch["response_mask"]
         token_scores = A.scores_to_token_rewards(scores, mask)
@@ -199,6 +211,7 @@ class AdvantageNode(_AdvantageMixin):
         self._init_kl(cfg)
 
     def process(self, joined: dict) -> dict:
+        from hpc_verl.trainer import algorithms as A
         batch = joined["actor_rollout"]
         scores = joined["reward_score"]["scores"]
         ref = joined.get("ref_logprob")
@@ -223,11 +236,13 @@ class CriticNode(_AdvantageMixin, _Ulysses):
     preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
+        from hpc_verl.trainer import workers as W
         quiet_transformers()
         self._init_kl(cfg)
         self.worker = W.CriticWorker(cfg, total_steps)
 
     def process(self, joined: dict) -> dict:
+        from hpc_verl.trainer import algorithms as A
         batch = dict(joined["actor_rollout"])
         scores = joined["reward_score"]["scores"]
         ref = joined.get("ref_logprob")
@@ -271,6 +286,7 @@ class ActorNode(_Ulysses):
     preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
+        from hpc_verl.trainer import workers as W
         quiet_transformers()
         self.worker = W.ActorWorker(cfg, total_steps)
         self.cfg = cfg

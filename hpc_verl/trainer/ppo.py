@@ -54,22 +54,20 @@ class PPOTrainer:
     """Drives the PPO steps; owns the data position, metrics, checkpoints and the preemption check."""
 
     def __init__(self, cfg: Section, runner: Runner | None = None, progress: bool | None = None) -> None:
-        import torch
-        from transformers import AutoTokenizer
-
+        # no torch here: the driver only tokenises the data set (its ranks import torch, and at
+        # start-up they, Ray's daemons and this process share the node's cores)
         from hpc_verl.data.dataset import ResumableSampler, RLDataset
-        from hpc_verl.trainer.model import check_model, quiet_transformers
+        from hpc_verl.trainer.model import check_model_files, load_driver_tokenizer
 
-        quiet_transformers()
         validate_for_run(cfg)
         self.cfg = cfg
         self.run_dir = Path(os.path.expanduser(cfg.hpc_verl.run_dir))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         mcfg = cfg.actor_rollout_ref.model
-        check_model(mcfg.path)
-        self.tokenizer = AutoTokenizer.from_pretrained(mcfg.tokenizer_path or mcfg.path, local_files_only=True)
-        if mcfg.custom_chat_template:
-            self.tokenizer.chat_template = mcfg.custom_chat_template
+        check_model_files(mcfg.path)
+        self.tokenizer = load_driver_tokenizer(mcfg.tokenizer_path or mcfg.path, mcfg.custom_chat_template,
+                                               fast=bool(cfg.hpc_verl.fast_prompt_tokenizer),
+                                               trust_remote_code=bool(mcfg.trust_remote_code))
         d = cfg.data
         self.dataset = RLDataset(d.train_files, self.tokenizer, d.max_prompt_length, d.prompt_key,
                                  d.filter_overlong_prompts, d.truncation, d.train_max_samples,
@@ -83,8 +81,7 @@ class PPOTrainer:
         self.n_devices = max(1, cfg.trainer.nnodes * max(1, cfg.trainer.n_gpus_per_node))
         self.step = 0
         self.version = 0
-        random.seed(t.seed)
-        torch.manual_seed(t.seed)
+        random.seed(t.seed)   # (the driver draws from Python's RNG only; the ranks seed torch themselves)
         self.runner = runner
         from hpc_verl.trainer.graph import adv_node_name
 
@@ -122,15 +119,12 @@ class PPOTrainer:
 
     def _restore(self, path: Path) -> None:
         """Load a checkpoint ``_resume_path`` chose (and verified) into the driver and every rank."""
-        import torch
         state, parts = load_checkpoint(path, verify=False)
         self.step = int(state["step"])
         self.version = int(state["policy_version"])
         self.sampler.load_state_dict(state["data"])
         random.setstate(_tuplify(state["python_rng"]))
-        rng = parts.get("driver_rng") or {}
-        if "torch" in rng:
-            torch.set_rng_state(rng["torch"])
+        # (older checkpoints also hold the driver's torch RNG state, which the driver never drew from)
         for node, sub in self._sharded_parts().items():   # every rank loads its shards (any world size)
             if not (path / sub).is_dir():
                 raise CheckpointError(f"checkpoint {path}: {sub}/ is missing; not a complete checkpoint of this "
@@ -147,6 +141,15 @@ class PPOTrainer:
         self.resumed_from = path
         log.info("resumed from %s (step %d, policy version %d)", path, self.step, self.version)
 
+    def _check_prompt_tokenizer(self) -> None:
+        """The driver's torch-free tokenizer against the rollout's transformers one, on the first prompts."""
+        from hpc_verl.data.prompt_tokenizer import PromptTokenizer, probe_samples
+
+        if isinstance(self.tokenizer, PromptTokenizer):
+            samples = probe_samples(self.tokenizer, [s.raw_prompt for s in self.dataset.samples])
+            self.runner.call("actor_rollout", "check_prompt_ids", samples,
+                             self.cfg.actor_rollout_ref.model.custom_chat_template)
+
     def _sharded_parts(self) -> dict[str, str]:
         """Nodes that save themselves (every rank of their group writes its shards) -> sub-directory."""
         parts = {"actor_update": "actor"}
@@ -155,8 +158,7 @@ class PPOTrainer:
         return parts
 
     def save(self) -> Path:
-        import torch
-        parts: dict[str, Any] = {"driver_rng": {"torch": torch.get_rng_state()}}
+        parts: dict[str, Any] = {}
         if self.adv_node == "advantage":
             parts["adv"] = self.runner.call("advantage", "state_dict")
         writers = {sub: (lambda d, node=node: self.runner.call(node, "save_checkpoint", str(d)))
@@ -283,6 +285,7 @@ class PPOTrainer:
         try:
             resume = self._resume_path()   # before Ray starts: a damaged run fails in a second, not a minute
             self.runner.start(self.cfg.to_dict(), self.total_steps)
+            self._check_prompt_tokenizer()
             if resume is not None:
                 self._restore(resume)
             self.start_step = self.step

@@ -1,5 +1,5 @@
 """The Ray readiness record: the bootstrap's barrier writes it once every node and GPU is up; a
-trainer started before that (it imports torch and transformers and reads its data meanwhile)
+trainer started before that (it reads its tokenizer and data meanwhile)
 waits for it and connects with what it says.
 
 Lives below both (bootstrap writes, trainer reads): one file name, one format.
