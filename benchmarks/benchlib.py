@@ -45,6 +45,25 @@ def summary(values: Sequence[float]) -> dict[str, float | int]:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
+def median_ratio_ci(ours: Sequence[float], base: Sequence[float], level: float = 0.95,
+                    resamples: int = 2000) -> list[float]:
+    """A bootstrap interval of median(ours) / median(base): both sides' rounds resampled with
+    replacement (a fixed seed, so a report is reproducible from its rounds). How far the ratio
+    of one run can be trusted; on a small shared machine it is a few per cent wide."""
+    import random
+
+    rng = random.Random(0)
+    vals = []
+    for _ in range(resamples):
+        o = statistics.median(rng.choices(ours, k=len(ours)))
+        b = statistics.median(rng.choices(base, k=len(base)))
+        vals.append(o / b)
+    vals.sort()
+    lo = vals[int((1 - level) / 2 * resamples)]
+    hi = vals[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return [round(lo, 4), round(hi, 4)]
+
+
 def alternating(sides: Sequence[str], repeats: int) -> list[tuple[int, str]]:
     """(repeat, side) in run order: the side order flips every repeat, so drift and load hit all alike."""
     out = []

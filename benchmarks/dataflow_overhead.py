@@ -284,11 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-mb", type=float, default=64.0, help="weights broadcast per PPO step (default: %(default)s)")
     p.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray (default: %(default)s)")
     p.add_argument("--no-compiled", action="store_true", help="skip the Ray Compiled Graphs lower bound")
-    p.add_argument("--ppo-repeats", type=int, default=5,
+    p.add_argument("--ppo-repeats", type=int, default=15,
                    help="rounds per side of the PPO-shaped case, --ppo-steps steps each (default: %(default)s)")
-    # pipeline rounds take ~0.1 s and vary by +-20 % on a small machine: at 11 the median ratio still
-    # moved by +-5 % from run to run; 31 rounds a side cost ~10 s per parallelism
-    B.add_common_args(p, repeats=31)
+    # a pipeline round takes ~0.1 s and its time varies by 15-20 % (coefficient of variation) on the
+    # 2-core VM, from round to round, not only slowly: at 31 rounds a side one run's ratio of medians
+    # moved by +-4-5 % (so the worst of four cases was often over 1.05 where every case was ~1.00);
+    # 201 rounds a side bring that to ~2 % and cost ~1 min per parallelism. Every row reports a
+    # bootstrap 95 % interval of its ratio.
+    B.add_common_args(p, repeats=201)
     return p
 
 
@@ -380,6 +383,7 @@ def pipeline_case(a: argparse.Namespace, p: int, prog: Any, task: Any) -> list[d
         rows.append({"name": name, "kind": kind, "case": "pipeline", "parallelism": p,
                      "per_item_us": round(st["median"], 2), "spread_us": [round(st["min"], 2), round(st["max"], 2)],
                      "items_per_s": round(1e6 / st["median"], 1), "work": {"items": done[side][0]},
+                     "round_us": [round(t / a.items * 1e6, 2) for t in times[side]],
                      "work_rounds": [{"items": n} for n in done[side]],
                      "loadavg_1m": loads})
     return rows
@@ -417,6 +421,7 @@ def ppo_case(a: argparse.Namespace, prog: Any, task: Any) -> list[dict]:
         st = B.summary([t * 1e6 for t in times[side]])
         rows.append({"name": f"ppo_{side}", "kind": "ours" if side == "ours" else "baseline", "case": "ppo",
                      "parallelism": 1, "per_item_us": round(st["median"], 1),
+                     "round_us": [round(t * 1e6, 1) for t in times[side]],
                      "spread_us": [round(st["min"], 1), round(st["max"], 1)],
                      "items_per_s": round(1e6 / st["median"], 2), "work": work[side][0], "work_rounds": work[side],
                      "payload_mb": round(sum(v.numel() * v.element_size() for v in
@@ -442,6 +447,8 @@ def build_report(a: argparse.Namespace, rows: list[dict], env: dict) -> dict:
             ours["ratio_vs_baseline"] = None
             continue
         ours["ratio_vs_baseline"] = round(ours["per_item_us"] / hand["per_item_us"], 4)
+        if ours.get("round_us") and hand.get("round_us"):
+            ours["ratio_ci95"] = B.median_ratio_ci(ours["round_us"], hand["round_us"])
         ratios.append(ours["ratio_vs_baseline"])
         low = by.get("lower_bound")
         if low and low.get("per_item_us"):
@@ -460,9 +467,12 @@ def build_report(a: argparse.Namespace, rows: list[dict], env: dict) -> dict:
 
 def show(con: Any, report: dict) -> None:
     con.print(B.table("per-item time (median of alternating rounds; PPO case: per step)",
-                      ["row", "kind", "us/item", "min", "max", "items/s", "ours/hand", "ours/compiled"],
+                      ["row", "kind", "us/item", "min", "max", "items/s", "ours/hand", "95% interval",
+                       "ours/compiled"],
                       [[r["name"], r["kind"], r.get("per_item_us"), *(r.get("spread_us") or [None, None]),
-                        r.get("items_per_s"), r.get("ratio_vs_baseline"), r.get("ratio_vs_lower_bound")]
+                        r.get("items_per_s"), r.get("ratio_vs_baseline"),
+                        "-".join(f"{v:.3f}" for v in r["ratio_ci95"]) if r.get("ratio_ci95") else None,
+                        r.get("ratio_vs_lower_bound")]
                        for r in report["rows"]]))
     for note in report["notes"]:
         con.print(f"note: {note}")

@@ -62,6 +62,19 @@ def test_alternating_order_flips_every_repeat():
                                                  (2, "a"), (2, "b"), (2, "c")]
 
 
+def test_the_ratio_interval_holds_the_ratio_and_narrows_with_more_rounds():
+    import random
+    rng = random.Random(1)
+    ours = [100 * rng.lognormvariate(0, 0.18) for _ in range(201)]
+    hand = [100 * rng.lognormvariate(0, 0.18) for _ in range(201)]
+    point = B.summary(ours)["median"] / B.summary(hand)["median"]
+    lo, hi = B.median_ratio_ci(ours, hand)
+    assert lo < point < hi and B.median_ratio_ci(ours, hand) == [lo, hi]   # reproducible (fixed seed)
+    lo31, hi31 = B.median_ratio_ci(ours[:31], hand[:31])
+    assert hi31 - lo31 > 1.5 * (hi - lo)
+    assert B.median_ratio_ci([2.0] * 5, [1.0] * 5) == [2.0, 2.0]
+
+
 # ---------------------------------------------------------------- the report
 def _report(**kw):
     base = dict(ratio=1.5, ratio_definition="x over y", baseline="y", rows=[{"name": "ours", "kind": "ours"}],
@@ -299,6 +312,8 @@ def test_dataflow_overhead_runs_small_and_writes_its_report(tmp_path):
     assert {"pipeline_p1_ours", "pipeline_p1_hand", "pipeline_p1_compiled", "ppo_ours", "ppo_hand"} <= names
     ppo = {r["name"]: r for r in rep["rows"]}
     assert ppo["ppo_ours"]["work"] == ppo["ppo_hand"]["work"] == {"steps": 2, "versions": 2}
+    ours = ppo["pipeline_p1_ours"]   # every round's time is kept, and the ratio comes with its interval
+    assert len(ours["round_us"]) == 1 and ours["ratio_ci95"][0] <= ours["ratio_vs_baseline"] <= ours["ratio_ci95"][1]
     assert "dataflow_overhead: ratio" in res.stdout
 
 
