@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -327,8 +328,12 @@ def pipeline_case(a: argparse.Namespace, p: int, prog: Any, task: Any) -> list[d
     done: dict[str, list[int]] = {"ours": [], "hand": [], "compiled": []}
     loads = []
 
+    cpu: dict[str, list[float]] = {"ours": [], "hand": [], "compiled": []}
+
     def timed(side: str, fn: Any) -> None:
+        c0 = time.process_time()
         dt, out = fn()
+        cpu[side].append(time.process_time() - c0)   # the driver's CPU (with its Ray core worker threads)
         if out != items:
             raise B.BenchError(f"pipeline p={p}: {side} lost or reordered items")
         times[side].append(dt)
@@ -384,6 +389,7 @@ def pipeline_case(a: argparse.Namespace, p: int, prog: Any, task: Any) -> list[d
                      "per_item_us": round(st["median"], 2), "spread_us": [round(st["min"], 2), round(st["max"], 2)],
                      "items_per_s": round(1e6 / st["median"], 1), "work": {"items": done[side][0]},
                      "round_us": [round(t / a.items * 1e6, 2) for t in times[side]],
+                     "driver_cpu_us": round(statistics.median(cpu[side]) / a.items * 1e6, 2),
                      "work_rounds": [{"items": n} for n in done[side]],
                      "loadavg_1m": loads})
     return rows
@@ -467,9 +473,10 @@ def build_report(a: argparse.Namespace, rows: list[dict], env: dict) -> dict:
 
 def show(con: Any, report: dict) -> None:
     con.print(B.table("per-item time (median of alternating rounds; PPO case: per step)",
-                      ["row", "kind", "us/item", "min", "max", "items/s", "ours/hand", "95% interval",
-                       "ours/compiled"],
+                      ["row", "kind", "us/item", "min", "max", "driver CPU us/item", "items/s", "ours/hand",
+                       "95% interval", "ours/compiled"],
                       [[r["name"], r["kind"], r.get("per_item_us"), *(r.get("spread_us") or [None, None]),
+                        r.get("driver_cpu_us"),
                         r.get("items_per_s"), r.get("ratio_vs_baseline"),
                         "-".join(f"{v:.3f}" for v in r["ratio_ci95"]) if r.get("ratio_ci95") else None,
                         r.get("ratio_vs_lower_bound")]
