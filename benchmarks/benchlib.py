@@ -109,9 +109,27 @@ def versions(names: Iterable[str]) -> dict[str, str | None]:
     return out
 
 
+def source_commit() -> str | None:
+    """The checkout's commit the run measured, with ``+dirty`` when tracked files differ from it
+    (a figure from uncommitted code is not a figure of the scripts as committed); None outside git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def environment(packages: Iterable[str] = ("torch", "ray")) -> dict[str, Any]:
     """The machine at the start of a run (``finish`` adds the end)."""
     return {"date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": source_commit(),
             "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
             "host": platform.node(), "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
             "python": platform.python_version(), "versions": versions(packages),

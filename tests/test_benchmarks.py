@@ -62,6 +62,29 @@ def test_alternating_order_flips_every_repeat():
                                                  (2, "a"), (2, "b"), (2, "c")]
 
 
+def test_a_report_names_the_commit_it_measured(tmp_path, monkeypatch):
+    env = B.environment()
+    assert env["commit"] and env["commit"].split("+")[0] == subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo,  # noqa: E731
+                                    check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    (repo / "bench.py").write_text("x = 1\n")
+    git("add", "bench.py")
+    git("commit", "-qm", "one")
+    monkeypatch.setattr(B, "REPO", repo)
+    head = git("rev-parse", "--short=12", "HEAD")
+    (repo / "scratch.txt").write_text("untracked files are not the scripts\n")
+    assert B.source_commit() == head
+    (repo / "bench.py").write_text("x = 2\n")
+    assert B.source_commit() == head + "+dirty"
+    monkeypatch.setattr(B, "REPO", tmp_path / "not-a-repo")
+    (tmp_path / "not-a-repo").mkdir()
+    assert B.source_commit() is None
+
+
 def test_the_ratio_interval_holds_the_ratio_and_narrows_with_more_rounds():
     import random
     rng = random.Random(1)
