@@ -253,14 +253,20 @@ def test_g_h_status_logs_cancel_and_token(slurm_testbed, tmp_path):
     base_env = {k: v for k, v in bed.env.items() if not k.startswith("RAY_")}
     home = tmp_path / "nohome"
     home.mkdir()
+    # a refused driver retries the GCS once a second, 20 times by default: 2 tries show the refusal
+    refused = {"RAY_gcs_server_port_wait_time_s": "2"}
     runs = {
-        "none": {**base_env, "HOME": str(home)},
-        "wrong": {**base_env, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+        "none": {**base_env, **refused, "HOME": str(home)},
+        "wrong": {**base_env, **refused, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
         "right": {**base_env, "HOME": str(home), "RAY_AUTH_MODE": "token",
                   "RAY_AUTH_TOKEN_PATH": str(Path(job_dir) / "ray" / "token")},
     }
-    out = {k: subprocess.run([sys.executable, "-c", probe], env=e, capture_output=True, text=True, timeout=90)
-           for k, e in runs.items()}
+    procs = {k: subprocess.Popen([sys.executable, "-c", probe], env=e, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for k, e in runs.items()}
+    out = {}
+    for k, p in procs.items():
+        stdout, stderr = p.communicate(timeout=90)
+        out[k] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     assert out["right"].returncode == 0 and "NODES 2" in out["right"].stdout, out["right"].stderr[-2000:]
     for k in ("none", "wrong"):
         assert out[k].returncode != 0 and "NODES" not in out[k].stdout, (k, out[k].stdout, out[k].stderr[-1500:])

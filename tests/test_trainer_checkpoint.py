@@ -4,6 +4,8 @@ falls back past a damaged checkpoint, and partial directories of interrupted sav
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -163,3 +165,24 @@ def test_a_rank_s_os_error_becomes_an_os_error_naming_the_checkpoint_dir(tmp_pat
     line = os_error_line(info.value)
     assert line.startswith(f"{tmp_path}: No space left on device while writing checkpoint global_step_3 (ENOSPC)")
     assert "free there; free space there or write somewhere else" in line
+
+
+def test_plain_parts_are_json_tensors_stay_torch_and_both_load_back(tmp_path):
+    """The driver's parts (plain values) go to JSON, so a save or a resume imports no torch in the
+    driver; anything else is still torch.save'd, and a checkpoint of both kinds loads whole."""
+    plain = {"kl_ctrl": {"value": 0.1 + 0.2, "n": 3, "ok": True, "tags": ["a", None]}}
+    d = save_checkpoint(tmp_path, 5, {"adv": plain, "tensors": {"w": torch.arange(3.0)}}, {"step": 5})
+    assert json.loads((d / "adv.json").read_text()) == plain and (d / "tensors.pt").is_file()
+    assert {"adv.json", "tensors.pt", "trainer_state.json"} <= set(json.loads((d / "manifest.json").read_text())["files"])
+    state, parts = load_checkpoint(d)
+    assert state == {"step": 5} and parts["adv"] == plain and torch.equal(parts["tensors"]["w"], torch.arange(3.0))
+    assert set(parts) == {"adv", "tensors"}   # not the manifest, not the trainer state
+    for not_json in ({"x": float("nan")}, {1: "int key"}, (1, 2)):
+        d = save_checkpoint(tmp_path / "other", 1, {"p": not_json}, {"step": 1})
+        assert (d / "p.pt").is_file() and not (d / "p.json").exists()
+    code = ("import sys\nfrom hpc_verl.trainer.checkpoint import save_checkpoint, load_checkpoint\n"
+            "d = save_checkpoint(sys.argv[1], 1, {'adv': {'kl_ctrl': {'value': 0.5}}}, {'step': 1})\n"
+            "assert load_checkpoint(d)[1] == {'adv': {'kl_ctrl': {'value': 0.5}}}\nprint('torch' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "driver")], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr

@@ -21,6 +21,7 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -247,11 +248,11 @@ def _fsync_tree(d: Path) -> None:
 def save_checkpoint(root: str | os.PathLike[str], step: int, parts: dict[str, Any], trainer_state: dict,
                     keep_last: int | None = None,
                     writers: dict[str, Callable[[Path], None]] | None = None) -> Path:
-    """Write ``parts`` (name → torch-saveable), the directories ``writers`` fill (name →
-    ``write(dir)``, e.g. a worker group's sharded save), ``trainer_state`` (JSON) and, last,
-    the manifest of all of them as step ``step``."""
-    import torch
-
+    """Write ``parts`` (name → JSON-able, as ``<name>.json``, or else torch-saveable, as
+    ``<name>.pt``), the directories ``writers`` fill (name → ``write(dir)``, e.g. a worker
+    group's sharded save), ``trainer_state`` (JSON) and, last, the manifest of all of them as
+    step ``step``. (The driver's parts are small plain values: writing them as JSON keeps torch
+    out of the driver, seconds of import at every save.)"""
     r = Path(root)
     r.mkdir(parents=True, exist_ok=True)
     clean_leftovers(r, warn=log.warning)
@@ -265,7 +266,13 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, parts: dict[str, An
             for name, write in (writers or {}).items():
                 write(tmp / name)
             for name, obj in parts.items():
-                torch.save(obj, tmp / f"{name}.pt")
+                assert name not in ("trainer_state", MANIFEST.split(".")[0]), name
+                if _plain(obj):
+                    (tmp / f"{name}.json").write_text(json.dumps(obj, sort_keys=True))
+                else:
+                    import torch
+
+                    torch.save(obj, tmp / f"{name}.pt")
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
             write_manifest(tmp, step)
             _fsync_tree(tmp)
@@ -288,11 +295,22 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, parts: dict[str, An
     return final
 
 
+def _plain(obj: Any) -> bool:
+    """JSON holds it exactly: dicts with str keys, lists, str, int, finite float, bool, None."""
+    if obj is None or isinstance(obj, (str, bool, int)):
+        return True
+    if isinstance(obj, float):
+        return math.isfinite(obj)
+    if isinstance(obj, list):
+        return all(_plain(v) for v in obj)
+    if isinstance(obj, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in obj.items())
+    return False
+
+
 def load_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> tuple[dict, dict[str, Any]]:
     """(trainer_state, parts) of a checkpoint directory, its files checked against the manifest
-    first (``verify=False``: the caller just did)."""
-    import torch
-
+    first (``verify=False``: the caller just did). Parts are its ``*.json`` and ``*.pt`` files."""
     p = Path(path)
     state_file = p / "trainer_state.json"
     if verify:
@@ -302,7 +320,13 @@ def load_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> tuple[
                               "(pick another global_step_N directory or set trainer.resume_mode=disable)")
     try:
         state = json.loads(state_file.read_text())
-        parts = {f.stem: torch.load(f, map_location="cpu", weights_only=False) for f in sorted(p.glob("*.pt"))}
+        parts: dict[str, Any] = {f.stem: json.loads(f.read_text()) for f in sorted(p.glob("*.json"))
+                                 if f.name not in ("trainer_state.json", MANIFEST)}
+        pt_files = sorted(p.glob("*.pt"))
+        if pt_files:
+            import torch
+
+            parts.update({f.stem: torch.load(f, map_location="cpu", weights_only=False) for f in pt_files})
     except Exception as exc:
         raise CheckpointError(f"checkpoint {p}: unreadable ({type(exc).__name__}: {exc})") from None
     return state, parts
