@@ -454,12 +454,16 @@ def test_read_only_and_full_disks_fail_in_one_line_and_leave_nothing(tiny_model,
     disk.mkdir()
     run = disk / "run"
     args = digit_overrides(tiny_model, digits_data, run, 3, ("trainer.save_freq=1",))
-    ro = Train(tmp_path, args, mount=f"mount -t tmpfs -o ro tmpfs {disk}", name="ro")
-    rc, err = ro.wait()
-    lines = _hpcv_lines(err)
-    assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    assert f"{run}: Read-only file system (EROFS)" in lines[0] and "read-only" in lines[0].split(";", 1)[1]
-    assert not ro.tree.left()
+    # a run dir that cannot be made, and one that exists but takes no file: refused before Ray starts
+    for name, mount in (("ro", f"mount -t tmpfs -o ro tmpfs {disk}"),
+                        ("ro-existing", f"mount -t tmpfs tmpfs {disk} && mkdir {run} && mount -o remount,ro {disk}")):
+        ro = Train(tmp_path, args, mount=mount, name=name)
+        rc, err = ro.wait()
+        lines = _hpcv_lines(err)
+        assert rc == 1 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+        assert f"{run}: Read-only file system (EROFS)" in lines[0] and "read-only" in lines[0].split(";", 1)[1]
+        assert ro.private_ray() is None, "Ray was started for a run that could not write its run dir"
+        assert not ro.tree.left()
 
     full = Train(tmp_path, args, mount=f"mount -t tmpfs -o size=160k tmpfs {disk}", name="full")
     rc, err = full.wait()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -52,9 +53,11 @@ def run(args: argparse.Namespace) -> int:
     from hpc_verl.trainer.config import validate_for_run
     from hpc_verl.trainer.graph import DataflowRunner
     from hpc_verl.trainer.model import check_model_dir
+    from hpc_verl.util.fs import ensure_writable_dir
 
     validate_for_run(cfg)   # what can be refused at once is refused before Ray starts
     check_model_dir(cfg.actor_rollout_ref.model.path)
+    ensure_writable_dir(os.path.expanduser(cfg.hpc_verl.run_dir))
     runner = DataflowRunner()
     runner.begin(cfg.to_dict())   # Ray comes up while this process loads torch, the tokenizer and the data
     try:

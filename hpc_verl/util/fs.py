@@ -11,6 +11,21 @@ from typing import Any, Iterator, Union
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def ensure_writable_dir(path: PathLike) -> Path:
+    """Make ``path`` (and parents) and prove a file can be created in it: a read-only or
+    unwritable run directory fails here, in a second, as an OSError naming the directory, and
+    not after Ray and the workers are up."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".hpcv-write-probe.", dir=str(p))
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(p)) from None
+    os.close(fd)
+    os.unlink(probe)
+    return p
+
+
 @contextlib.contextmanager
 def atomic_target(path: PathLike) -> Iterator[Path]:
     """Yield a temp path beside ``path``; rename it into place only if the block succeeds.
