@@ -153,3 +153,29 @@ def test_vllm_rollout_without_vllm_is_one_clear_error(tiny_model, digits_data, t
     with pytest.raises(HpcVerlError, match="vLLM is not installed"):
         make_rollout_worker(cfg)
     assert cfg["hpc_verl"]["old_log_prob_from_rollout"] is False  # vLLM numerics differ: recompute
+
+
+def test_the_driver_checks_the_model_files_and_train_check_loads_them(tiny_model, digits_data, tmp_path, cli):
+    """The driver's light check (no transformers) refuses a config without model_type and a
+    directory without weights in one line; ``train --check`` also loads config and tokenizer."""
+    import shutil
+
+    from hpc_verl.trainer.model import ModelError, check_model_files
+
+    assert check_model_files(tiny_model) == tiny_model
+    for name, damage, message in (
+            ("notype", lambda d: (d / "config.json").write_text(json.dumps({"vocab_size": 9})), "no model_type"),
+            ("noweights", lambda d: (d / "model.safetensors").unlink(), "no weights")):
+        d = tmp_path / name
+        shutil.copytree(tiny_model, d)
+        damage(d)
+        with pytest.raises(ModelError, match=message):
+            check_model_files(d)
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_model, odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**cfg, "model_type": "no-such-architecture"}))
+    check_model_files(odd)   # (the driver leaves loading it to the ranks)
+    res = cli("train", "--check", *digit_overrides(odd, digits_data, tmp_path / "run", 1))
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "config does not load" in lines[0], res.stderr

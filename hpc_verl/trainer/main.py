@@ -44,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
         from hpc_verl.trainer.graph import describe_placement
         print(describe_placement(cfg))
         return 0
-    if args.check:  # PPOTrainer validates the config and checks the model itself
+    if args.check:  # the full offline model check (config and tokenizer load), then the trainer's own
+        from hpc_verl.trainer.model import check_model
         from hpc_verl.trainer.ppo import PPOTrainer
+        check_model(cfg.actor_rollout_ref.model.path)
         trainer = PPOTrainer(cfg, progress=False)
         print(f"ok: {len(trainer.dataset)} prompts, {trainer.total_steps} steps, run dir {trainer.run_dir}")
         return 0
