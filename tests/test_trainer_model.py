@@ -179,3 +179,8 @@ def test_the_driver_checks_the_model_files_and_train_check_loads_them(tiny_model
     res = cli("train", "--check", *digit_overrides(odd, digits_data, tmp_path / "run", 1))
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and "config does not load" in lines[0], res.stderr
+    # without --check the ranks find it, and the one line still names the cause
+    res = cli("train", "--no-progress", *digit_overrides(odd, digits_data, tmp_path / "run", 1), timeout=300)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip().startswith("hpc-verl")]
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"model {odd}: the model does not load (ValueError: " in lines[0] and "no-such-architecture" in lines[0]

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from hpc_verl.dataflow.graph import DataflowGraph
 from hpc_verl.dataflow.placement import BundlePlan, ClusterNode, InstancePlan, PlacementPlan, place_extra
-from hpc_verl.errors import DataflowError
+from hpc_verl.errors import DataflowError, HpcVerlError
 
 
 class Proc:
@@ -195,8 +195,10 @@ class InstancePool:
                 try:
                     ray.get(ref, timeout=self.start_timeout_s)
                 except Exception as exc:  # noqa: BLE001 - reported as one line
+                    cause = getattr(exc, "cause", None)   # a RayTaskError carries the rank's own error
                     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-                    last = lines[-1] if lines else type(exc).__name__
+                    last = str(cause) if isinstance(cause, HpcVerlError) else lines[-1] if lines \
+                        else type(exc).__name__
                     what = ", ".join(f"{n}_{p.rank}" for n in p.nodes)
                     raise DataflowError(f"graph '{self.graph.name}': {what} failed to start: {last}") from None
             raise

@@ -35,17 +35,32 @@ def load_causal_lm(path: str, device: str, dtype: str = "float32", trust_remote_
     torch = torch_mod()
     from transformers import AutoModelForCausalLM
     torch_dtype = getattr(torch, dtype) if device != "cpu" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
-                                                 trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
+                                                     trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises many types; the first line says what is wrong
+        raise _not_loading(path, "model", exc) from None
     return model.to(device)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # (as above)
+        raise _not_loading(path, "tokenizer", exc) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def _not_loading(path: str, what: str, exc: BaseException) -> Exception:
+    """One line for a model directory a rank cannot load (transformers' message starts with the cause)."""
+    from hpc_verl.trainer.model import ModelError
+
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return ModelError(f"model {path}: the {what} does not load ({type(exc).__name__}: "
+                      f"{lines[0][:300] if lines else ''}); `hpc-verl check-model {path}` shows the same offline")
 
 
 def chunks(n: int, size: int | None) -> Iterator[slice]:
