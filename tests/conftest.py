@@ -31,6 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_bed import slurm_testbed  # noqa: E402,F401  (session fixture for -m slurm tests)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's ``--dist loadgroup`` (scripts/test.sh runs two workers). Every
+    test on the SLURM test bed goes to one worker: the bed is a session fixture, and one bed per
+    worker would start two slurmctlds and build the podman image twice. Every other test stays
+    with its file, so a module fixture (a Ray cluster, a trained run) is built once."""
+    for item in items:
+        group = "slurm_testbed" if "slurm_testbed" in item.fixturenames else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ():
     """Code under test may export variables (the bootstrap's barrier sets RAY_AUTH_* for its
