@@ -18,7 +18,9 @@ GCS every 50 ms - has seen all N nodes and N x 4 GPUs alive. Sides:
 The workload of every side is the same: ``python -m benchmarks.bringup --hold
 DIR`` notes the moment it starts (the side's "ready") and holds the cluster
 until the benchmark releases it. Sides alternate, ``--repeats`` times, for each
-``--nodes`` size (the test bed runs up to 4 slurmd). The top-level ratio is ours
+``--nodes`` size (the test bed runs up to 4 slurmd), after ``--warmup`` untimed
+jobs of ours and poll on each fresh test bed (its first job starts cold, and
+ours would always be that job; the warm-up times are in the report's settings). The top-level ratio is ours
 over the faster of poll and symmetric-run, the worst over the sizes.
 
     .venv/bin/python benchmarks/bringup.py --json bringup.json            # N = 2 and 4
@@ -280,8 +282,15 @@ def run_once(side: str, n: int, d: Path, ctx: dict) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- report
+def warmup_sides(sides: Sequence[str]) -> list[str]:
+    """The sides an untimed warm-up job runs for: the timed ones that poll (the sleep script's
+    time is its fixed sleeps, and it never runs first on a fresh test bed)."""
+    return [s for s in sides if s != "sleep"]
+
+
 def build_report(a: argparse.Namespace, runs: dict[int, dict[str, list[dict]]], env: dict,
-                 poll_ms: dict[int, float] | None, sym: dict[str, Any]) -> dict[str, Any]:
+                 poll_ms: dict[int, float] | None, sym: dict[str, Any],
+                 warm: dict[int, dict[str, list[float]]] | None = None) -> dict[str, Any]:
     rows, worst, notes = [], None, list(a.notes)
     for n, by_side in runs.items():
         med = {s: statistics.median(r["ready_s"] for r in rs) for s, rs in by_side.items() if rs}
@@ -309,7 +318,9 @@ def build_report(a: argparse.Namespace, runs: dict[int, dict[str, list[dict]]], 
     if early:
         notes.append(f"the sleep script declared Ray ready before every node had joined in {early} run(s); its "
                      "ready time is then the probe's")
-    settings = {"nodes": a.node_sizes, "repeats": a.repeats, "gpus_per_node": GPUS, "probe_interval_s": PROBE_S,
+    settings = {"nodes": a.node_sizes, "repeats": a.repeats, "warmup": a.warmup,
+                "warmup_ready_s": {str(n): w for n, w in (warm or {}).items()},
+                "gpus_per_node": GPUS, "probe_interval_s": PROBE_S,
                 "clock": "from the sbatch call to max(side's declared ready, probe saw all nodes and GPUs)"}
     return B.make_report("bringup", ratio=worst, baseline="the faster of poll and symmetric-run", rows=rows,
                          ratio_definition="ours / the faster polling baseline, ready time, worst over node counts; "
@@ -375,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sides", default="ours,poll,sleep", help="(default: %(default)s)")
     p.add_argument("--testbed-dir", default=None, help="reuse a running test bed of that size (scripts/testbed.sh up)")
     p.add_argument("--poll-scaling", action="store_true", help="also time one barrier poll on 1, 2, 4 Ray nodes")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed jobs of each polling side per test bed before the timed ones; the first job on "
+                        "a fresh test bed starts cold, and ours always runs first (default: %(default)s)")
     B.add_common_args(p)
     return p
 
@@ -393,6 +407,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if bad or "ours" not in a.side_list or "poll" not in a.side_list:
         p.error(f"--sides {a.sides!r}: give ours and poll, optionally sleep (symmetric-run is reported, "
                 "not run, on this test bed)")
+    if a.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.testbed_dir and len(a.node_sizes) > 1:
         p.error("--testbed-dir reuses one running test bed: give a single --nodes count of its size")
     return a
@@ -419,12 +435,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="hpcv-bench-"))
     temp_root = tempfile.mkdtemp(prefix="hpcvb", dir="/tmp")
     runs: dict[int, dict[str, list[dict]]] = {}
+    warm: dict[int, dict[str, list[float]]] = {}
     bed = None
     try:
         prof = write_profiles(work / "profiles", sys.executable, temp_root=temp_root)
-        order = [(n, rep, side) for n in a.node_sizes for rep, side in B.alternating(a.side_list, a.repeats)]
+        per_size = len(B.alternating(a.side_list, a.repeats)) + a.warmup * len(warmup_sides(a.side_list))
         with B.progress(con) as prog:
-            task = prog.add_task("bring-up runs", total=len(order))
+            task = prog.add_task("bring-up runs", total=per_size * len(a.node_sizes))
             for n in a.node_sizes:
                 prog.update(task, description=f"test bed: {n} nodes")
                 if a.testbed_dir:
@@ -439,6 +456,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                "HPC_VERL_PROFILE_PATH": str(prof), "PYTHONPATH": str(B.REPO)},
                        "temp_root": temp_root}
                 runs[n] = {s: [] for s in a.side_list}
+                for w in range(a.warmup):   # untimed: the first jobs on a fresh test bed pay its cold start
+                    for side in warmup_sides(a.side_list):
+                        prog.update(task, description=f"{n} nodes, warm-up {w + 1}/{a.warmup}: {side}")
+                        rec = run_once(side, n, work / f"n{n}-warmup{w}-{side}", ctx)
+                        warm.setdefault(n, {}).setdefault(side, []).append(rec["ready_s"])
+                        prog.console.print(f"N={n} warm-up {w + 1} {side}: {rec['ready_s']:.2f}s (not timed)")
                 for rep, side in B.alternating(a.side_list, a.repeats):
                     prog.update(task, description=f"{n} nodes, repeat {rep + 1}/{a.repeats}: {side}")
                     rec = run_once(side, n, work / f"n{n}-{rep}-{side}", ctx)
@@ -456,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bed is not None and not a.testbed_dir:
             bed.down()
         shutil.rmtree(temp_root, ignore_errors=True)
-    report = build_report(a, runs, B.finish(env0), poll_ms, sym)
+    report = build_report(a, runs, B.finish(env0), poll_ms, sym, warm)
     return B.publish(con, report, a.json, show)
 
 

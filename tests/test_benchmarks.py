@@ -39,6 +39,7 @@ from benchmarks.counting import (COUNT_KEYS, PassCounter, generated_tokens, ours
     (bringup, ["--nodes", "2,9"], "each count must be within 2..4"),
     (bringup, ["--sides", "ours,sleep"], "give ours and poll"),
     (bringup, ["--testbed-dir", "/x", "--nodes", "2,4"], "a single --nodes count"),
+    (bringup, ["--warmup", "-1"], "--warmup must be >= 0"),
     (startup, ["--sides", "submit,train"], "give trl and at least one of submit, train"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(mod, argv, message, capsys):
@@ -311,9 +312,13 @@ def test_bringup_report_never_uses_the_sleep_script_as_baseline():
     run = {"ready_s": 0.0, "declared_before_all_alive": False}
     runs = {2: {"ours": [dict(run, ready_s=6.0)], "poll": [dict(run, ready_s=8.0)],
                 "sleep": [dict(run, ready_s=15.0, declared_before_all_alive=True)]}}
-    rep = bringup.build_report(a, runs, B.environment(), None, {"available": True, "ran": False, "why": "one host"})
+    warm = {2: {"ours": [30.0], "poll": [31.0]}}   # cold first jobs: recorded, never in a median
+    rep = bringup.build_report(a, runs, B.environment(), None, {"available": True, "ran": False, "why": "one host"},
+                               warm)
     ours = next(r for r in rep["rows"] if r["name"] == "ours_n2")
     assert rep["ratio"] == pytest.approx(0.75) and ours["baseline"] == "poll"
+    assert rep["settings"]["warmup"] == 1 and rep["settings"]["warmup_ready_s"] == {"2": warm[2]}
+    assert bringup.warmup_sides(a.side_list) == ["ours", "poll"]
     assert ours["ratio_vs_sleep"] == pytest.approx(0.4)
     assert next(r for r in rep["rows"] if r["name"] == "symmetric_n2")["why"] == "one host"
     assert any("before every node had joined" in n for n in rep["notes"])
