@@ -1,4 +1,6 @@
-"""The worker-side wait before ``ray start``: head address, then the head registered in its GCS.
+"""The worker-side wait before ``ray start``: head address, then the head's session name in its
+GCS (the worker then starts beside the head, its head lookup answered from what the job knows),
+or, where that does not apply, the head registered in its GCS.
 
 Against a real token-authenticated Ray head (tests/rayhead.py). Ray's own worker
 start-up looks the head up with 2 s sleeps; ours polls, so these tests pin the
@@ -115,3 +117,63 @@ def test_without_client_server_keeps_the_jobs_port_where_ray_has_no_hook():
     assert cli.get_ray_client_dependency_error() is not None   # so `ray start` gives the server no port
     # a Ray without that check would start the server on 10001 if given no port: it keeps ours
     assert raystart.without_client_server(object(), args) == args
+
+
+SESSION = """
+import sys, time
+from hpc_verl.bootstrap import raystart
+probe = raystart.session_named(sys.argv[1])
+deadline = time.monotonic() + float(sys.argv[2])
+while not probe() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(probe())
+"""
+
+
+def test_session_name_probe_reads_the_heads_session_from_its_gcs(head, tmp_path):
+    # what a worker needs to start before the head's raylet registers: written right after the GCS starts
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(head.token_file),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", SESSION, head.gcs_address, "30"], env=env, capture_output=True,
+                         text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().startswith("session_")
+
+
+def test_early_start_lookup_answers_from_the_gcs_or_from_what_the_job_knows(monkeypatch):
+    from ray._private import node as ray_node
+
+    monkeypatch.setattr(ray_node, "get_all_node_info_until_retrieved", lambda *a, **k: [])   # restored after
+    assert raystart.start_before_head_registers("/tmp/hv/7/node1", "session_x_1")
+    lookup = ray_node.get_all_node_info_until_retrieved
+
+    class Unregistered:   # the GCS answers with no head yet (or not at all): the head as the job knows it
+        def get_all_node_info(self, **kw):
+            raise TimeoutError("no head")
+
+    (info,) = lookup(Unregistered(), timeout_per_retry=1, node_selectors=["head"])
+    assert (info.state, info.temp_dir, info.session_dir) == (0, "/tmp/hv/7/node1", "/tmp/hv/7/node1/session_x_1")
+
+    class Registered:   # once the head is registered, Ray's own record of it
+        def get_all_node_info(self, timeout=None, node_selectors=None):
+            assert node_selectors == ["head"]
+            return {"id": "the head's GcsNodeInfo"}
+
+    assert lookup(Registered(), node_selectors=["head"]) == ["the head's GcsNodeInfo"]
+
+
+def test_early_start_is_skipped_where_ray_does_not_look_the_head_up_that_way(monkeypatch):
+    from ray._private import node as ray_node
+
+    monkeypatch.delattr(ray_node, "get_all_node_info_until_retrieved")
+    assert raystart.start_before_head_registers("/tmp/hv/7/node1", "session_x_1") is False
+
+
+def test_wait_ends_at_the_deadline_when_the_head_never_writes_its_session(tmp_path, capsys):
+    (port,) = free_ports(1)
+    head_file = tmp_path / "head.json"
+    head_file.write_text(json.dumps({"address": f"127.0.0.1:{port}", "temp_dir": str(tmp_path / "head")}))
+    rc = raystart.main(["--head-file", str(head_file), "--stop-file", str(tmp_path / "stop"),
+                        "--timeout-s", "1", "--", "--address=@ADDRESS@"])
+    assert rc == 3
+    assert f"the head at 127.0.0.1:{port} never wrote its session name" in capsys.readouterr().err

@@ -260,7 +260,7 @@ class NodeSupervisor:
             if not self._wait_own_gcs(ip, ports.gcs, child, deadline):
                 self._failed_start(child, log_path, ports, "GCS did not answer")
             atomic_write_json(ray_dir(self.job_dir) / "head.json",
-                              {"node": self.node, "ip": ip, "address": f"{ip}:{ports.gcs}",
+                              {"node": self.node, "ip": ip, "address": f"{ip}:{ports.gcs}", "temp_dir": self.temp_dir,
                                "gcs_port": ports.gcs, "dashboard_port": ports.dashboard,
                                "client_port": ports.client if self.plan.get("client_server") else None,
                                "dashboard_host": self.plan["dashboard_host"]})
