@@ -36,7 +36,7 @@ def head():
 PROBE = """
 import sys, time
 from hpc_verl.bootstrap import raystart
-probe = raystart.head_alive(sys.argv[1])
+probe = getattr(raystart, sys.argv[3] if len(sys.argv) > 3 else "head_alive")(sys.argv[1])
 deadline = time.monotonic() + float(sys.argv[2])
 while not probe() and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -44,12 +44,13 @@ print(probe())
 """
 
 
-def _probe(address: str, token_file, wait_s: float, guard_s: float = 90) -> str:
-    """The probe in a fresh process (Ray caches the token per process), polled up to wait_s;
-    a hang (Ray's GCS client blocks ~40 s on a dead address) fails at guard_s."""
+def _probe(address: str, token_file, wait_s: float, guard_s: float = 90, probe: str = "head_alive") -> str:
+    """The probe (a raystart function of the address) in a fresh process (Ray caches the token per
+    process), polled up to wait_s; a hang (Ray's GCS client blocks ~40 s on a dead address) fails
+    at guard_s."""
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_file),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    out = subprocess.run([sys.executable, "-c", PROBE, address, str(wait_s)], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", PROBE, address, str(wait_s), probe], env=env, capture_output=True,
                          text=True, timeout=guard_s)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip()
@@ -119,25 +120,11 @@ def test_without_client_server_keeps_the_jobs_port_where_ray_has_no_hook():
     assert raystart.without_client_server(object(), args) == args
 
 
-SESSION = """
-import sys, time
-from hpc_verl.bootstrap import raystart
-probe = raystart.session_named(sys.argv[1])
-deadline = time.monotonic() + float(sys.argv[2])
-while not probe() and time.monotonic() < deadline:
-    time.sleep(0.05)
-print(probe())
-"""
-
-
 def test_session_name_probe_reads_the_heads_session_from_its_gcs(head, tmp_path):
     # what a worker needs to start before the head's raylet registers: written right after the GCS starts
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(head.token_file),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    out = subprocess.run([sys.executable, "-c", SESSION, head.gcs_address, "30"], env=env, capture_output=True,
-                         text=True, timeout=90)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().startswith("session_")
+    assert _probe(head.gcs_address, head.token_file, wait_s=30, probe="session_named").startswith("session_")
+    (port,) = free_ports(1)   # and nothing (no hang) where nothing listens
+    assert _probe(f"127.0.0.1:{port}", tmp_path / "none", wait_s=0, guard_s=20, probe="session_named") == "None"
 
 
 def test_early_start_lookup_answers_from_the_gcs_or_from_what_the_job_knows(monkeypatch):
