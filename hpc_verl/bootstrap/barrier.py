@@ -42,9 +42,10 @@ class ClusterView:
 _CLIENTS: dict[str, Any] = {}  # one GCS client per address for the life of the process
 
 
-def gcs_node_infos(address: str, timeout_s: float) -> tuple[dict[Any, Any] | None, str | None]:
-    """(node id -> GcsNodeInfo, None) from the GCS at ``address``, or (None, why not): one RPC on a
-    connection kept per address. Never blocks on a dead address (Ray's GcsClient would, ~40 s)."""
+def gcs_call(address: str, timeout_s: float, call: Callable[[Any], Any]) -> tuple[Any, str | None]:
+    """(``call(client)``, None) on a GCS client kept per ``address``, or (None, why not). Never
+    blocks on a dead address (Ray's GcsClient would, ~40 s); a failed call drops the client, so
+    the next one connects afresh."""
     from ray._raylet import GcsClient  # heavy import: only here
 
     client = _CLIENTS.get(address)
@@ -56,10 +57,15 @@ def gcs_node_infos(address: str, timeout_s: float) -> tuple[dict[Any, Any] | Non
         except Exception as exc:  # the GCS may not be up yet: report and ask again
             return None, _one_line(exc)
     try:
-        return client.get_all_node_info(timeout=max(timeout_s, 0.2)), None
+        return call(client), None
     except Exception as exc:
         _CLIENTS.pop(address, None)
         return None, _one_line(exc)
+
+
+def gcs_node_infos(address: str, timeout_s: float) -> tuple[dict[Any, Any] | None, str | None]:
+    """(node id -> GcsNodeInfo, None) from the GCS at ``address``, or (None, why not): one RPC."""
+    return gcs_call(address, timeout_s, lambda c: c.get_all_node_info(timeout=max(timeout_s, 0.2)))
 
 
 def gcs_view(address: str, timeout_s: float) -> ClusterView:

@@ -73,21 +73,10 @@ def _read_head(head_file: str) -> dict | None:
 def session_named(address: str) -> Callable[[], str | None]:
     """A probe: the session name the head wrote to its GCS (right after the GCS started, before
     its raylet and agents), or None while it is not there."""
-    from ray._raylet import GcsClient
-
-    from hpc_verl.bootstrap.netif import split_address, tcp_open
-
-    client: list = []
+    from hpc_verl.bootstrap.barrier import gcs_call  # Ray is already imported with its CLI
 
     def probe() -> str | None:
-        try:
-            if not client:
-                if not tcp_open(*split_address(address), timeout_s=0.5):   # Ray's client would block ~40 s
-                    return None
-                client.append(GcsClient(address=address))
-            got = client[0].internal_kv_get(b"session_name", SESSION_NAMESPACE, timeout=1.0)
-        except Exception:  # noqa: BLE001 - not up yet: ask again
-            return None
+        got, _ = gcs_call(address, 1.0, lambda c: c.internal_kv_get(b"session_name", SESSION_NAMESPACE, timeout=1.0))
         return got.decode() if got else None
 
     return probe
@@ -106,8 +95,7 @@ def start_before_head_registers(head_temp_dir: str, session_name: str) -> bool:
 
     from ray._private import node as ray_node
 
-    real = getattr(ray_node, "get_all_node_info_until_retrieved", None)
-    if real is None:
+    if not hasattr(ray_node, "get_all_node_info_until_retrieved"):
         return False
     head = types.SimpleNamespace(state=0, temp_dir=head_temp_dir,   # 0 = ALIVE
                                  session_dir=os.path.join(head_temp_dir, session_name))
@@ -147,13 +135,15 @@ def main(argv: list[str]) -> int:
 
     if head_file:
         try:
-            head = _until(deadline, stop_file, f"no head address in {head_file}", lambda: _read_head(head_file))
-            address = str(head["address"])  # type: ignore[index]
-            session = None
-            if head.get("temp_dir"):  # type: ignore[union-attr]
-                session = str(_until(deadline, stop_file, f"the head at {address} never wrote its session name",
-                                     session_named(address)))
-            if session is None or not start_before_head_registers(str(head["temp_dir"]), session):  # type: ignore[index]
+            head: dict = _until(deadline, stop_file, f"no head address in {head_file}",  # type: ignore[assignment]
+                                lambda: _read_head(head_file))
+            address, temp_dir = str(head["address"]), head.get("temp_dir")
+            early = False
+            if temp_dir:   # (a head that names its temp dir) start once its session name is in the GCS
+                session = _until(deadline, stop_file, f"the head at {address} never wrote its session name",
+                                 session_named(address))
+                early = start_before_head_registers(str(temp_dir), str(session))
+            if not early:
                 _until(deadline, stop_file, f"the head at {address} never registered in its GCS",
                        head_alive(address))
         except _Stopped as exc:
