@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,22 +20,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_verl.testbed.ports import free_ports
+
 RAY_BIN = Path(sys.executable).with_name("ray")
 TAG_VAR = "HPC_VERL_TEST_RAY_HEAD"
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports (bound together so they differ; released before use)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass

@@ -28,7 +28,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _free_base(width: int = 300) -> int:
     lo, _ = ephemeral_range()
-    for base in range(21000, min(lo, 32000) - width, 500):
+    # From the top down: the SLURM tests beside this one carve their jobs' blocks from 20000 up (job id x 100).
+    # Each xdist worker starts its own 1500 ports lower: this module's tests run side by side on two workers,
+    # and two heads planned on the same free window take each other's next block.
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
+    for base in range(min(lo, 32000) - width - 200 - 1500 * (worker % 4), 21000, -500):
         if not busy_ports(list(range(base, base + width))):
             return base
     pytest.skip("no free port window below the ephemeral range")

@@ -6,12 +6,12 @@ import json
 from hpc_verl import HybridScheduler
 from hpc_verl.dataflow import ClusterNode
 from hpc_verl.testbed.dataflow_examples import ppo_example_graph
-from hpc_verl.testbed.simcluster import free_port
+from hpc_verl.testbed.ports import free_ports
 from hpc_verl.util.fs import atomic_write_json
 
 
 def test_unreachable_ray_is_one_line_fast(cli):
-    res = cli("dashboard", "--address", f"127.0.0.1:{free_port()}", "--once", "--json", timeout=60)
+    res = cli("dashboard", "--address", f"127.0.0.1:{free_ports(1)[0]}", "--once", "--json", timeout=60)
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "cannot reach Ray at 127.0.0.1:" in lines[0], res.stderr

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from hpc_verl.errors import HpcVerlError
+from hpc_verl.testbed.ports import SLURM_BAND, free_ports
 from hpc_verl.util.fs import atomic_write_json, atomic_write_text
 
 NODES = ("node1", "node2")  # the default test bed
@@ -40,25 +41,6 @@ class TestBedError(HpcVerlError):
     """The local SLURM test bed could not be brought up or down."""
 
     __test__ = False  # not a pytest test class
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports, below the ephemeral range and clear of Ray's defaults."""
-    import random
-
-    found: list[int] = []
-    rnd = random.Random(os.getpid() ^ int(time.time()))
-    while len(found) < n:
-        port = rnd.randrange(6400, 7900)  # clear of Ray defaults (6379, 8265, 10001, 10002-19999)
-        if port in found:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        found.append(port)
-    return found
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -159,7 +141,7 @@ class TestBed:
         for sub in ("run", "state", "munge", "fakegpu", "logs", *[f"spool-{n}" for n in self.nodes]):
             (self.dir / sub).mkdir(exist_ok=True)
         os.chmod(self.dir / "munge", 0o700)
-        ctld_port, slurmd_port, *node_ports = _free_ports(2 + len(self.nodes))
+        ctld_port, slurmd_port, *node_ports = free_ports(2 + len(self.nodes), SLURM_BAND)
         self._write_configs(ctld_port, slurmd_port, node_ports)
         atomic_write_json(self.info_file, {"dir": str(self.dir), "slurmctld_port": ctld_port,
                                            "slurmd_port": slurmd_port,

@@ -6,22 +6,18 @@ never met)."""
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hpc_verl.testbed.ports import free_ports
 
 
 def _node_args(num_cpus: float, num_gpus: int, head: bool) -> dict[str, Any]:
+    agent, metrics, dashboard, gcs = free_ports(4)   # distinct: Ray refuses a node whose components share one
     args: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus,
-                            "dashboard_agent_listen_port": free_port(), "metrics_export_port": free_port(),
+                            "dashboard_agent_listen_port": agent, "metrics_export_port": metrics,
                             "object_store_memory": 80 * 1024 * 1024}
     if head:
-        args.update(include_dashboard=False, dashboard_port=free_port(), gcs_server_port=free_port())
+        args.update(include_dashboard=False, dashboard_port=dashboard, gcs_server_port=gcs)
     return args
 
 
