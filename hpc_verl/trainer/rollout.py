@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer import algorithms as A
+from hpc_verl.trainer import prompt_attention as P
 from hpc_verl.trainer.kvcache import expand_rows, preallocated_cache
 from hpc_verl.trainer.lm import load_causal_lm, load_tokenizer, pick_device, setup_threads, torch_mod
 from hpc_verl.trainer.parallel import load_named
@@ -134,15 +135,21 @@ class RolloutWorker:
         _, owner = torch.unique_consecutive(torch.cat([ids, attn], dim=1), dim=0, return_inverse=True)
         first = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), owner[1:] != owner[:-1]])).squeeze(1)
         owner, first = owner.to(dev), first.to(dev)   # (row -> its prompt; the first row of each prompt)
-        cache = preallocated_cache(self.model.config, ids.shape[1] + self.response_length)
+        sizes = torch.bincount(owner).tolist()
+        shared = P.applies(self.model, sizes)
+        if shared:   # the prompt part of attention read once per group (prompt_attention)
+            P.enable(self.model)
+            cache = P.shared_prompt_cache(self.model.config, self.response_length, attn_d[first])
+        else:
+            cache = preallocated_cache(self.model.config, ids.shape[1] + self.response_length)
         with torch.inference_mode():
             out = self.model(input_ids=ids.to(dev)[first], attention_mask=attn_d[first], position_ids=pos[first],
                              past_key_values=cache, use_cache=True, **self._last_logits)
             logits = out.logits[:, -1, :].float()
             if len(first) < bsz:
-                expand_rows(cache, owner)
+                if not shared:
+                    expand_rows(cache, owner)
                 logits = logits[owner]
-            past = cache
             last_pos = pos[:, -1:]
             for t in range(self.response_length):
                 if greedy:
@@ -156,11 +163,14 @@ class RolloutWorker:
                     finished |= nxt == eos
                 if bool(finished.all()) or t == self.response_length - 1:
                     break
-                attn_d = torch.cat([attn_d, torch.ones((bsz, 1), dtype=attn_d.dtype, device=dev)], dim=1)
                 last_pos = last_pos + 1
-                out = self.model(input_ids=nxt[:, None].to(dev), attention_mask=attn_d, position_ids=last_pos,
-                                 past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                if shared:   # (every response position is attended: the cache holds the prompt's mask)
+                    step = {"attention_mask": None, "shared_prompt": cache}
+                else:
+                    attn_d = torch.cat([attn_d, torch.ones((bsz, 1), dtype=attn_d.dtype, device=dev)], dim=1)
+                    step = {"attention_mask": attn_d}
+                out = self.model(input_ids=nxt[:, None].to(dev), position_ids=last_pos, past_key_values=cache,
+                                 use_cache=True, **step)
                 logits = out.logits[:, -1, :].float()
         return out_tokens, out_logp
 
