@@ -19,8 +19,6 @@ from typing import Any
 
 
 def _layer_class() -> Any:
-    """A ``DynamicLayer`` that writes into a preallocated buffer (made on first use: transformers is
-    imported lazily)."""
     import torch
     from transformers.cache_utils import DynamicLayer
 
@@ -74,17 +72,24 @@ def _layer_class() -> Any:
 _LAYER: Any = None
 
 
-def preallocated_cache(config: Any, capacity: int) -> Any:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers hold ``capacity`` positions in place."""
+def preallocated_layer_class() -> Any:
+    """A ``DynamicLayer`` that writes into a preallocated buffer (made on first use: transformers is
+    imported lazily)."""
     global _LAYER
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
     if _LAYER is None:
         _LAYER = _layer_class()
+    return _LAYER
+
+
+def preallocated_cache(config: Any, capacity: int) -> Any:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers hold ``capacity`` positions in place."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    layer_class = preallocated_layer_class()
     cache = DynamicCache(config=config)
     if not cache.layers:   # no layer types known up front: transformers adds layers as they come
         return cache
-    cache.layers = [_LAYER(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [layer_class(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 

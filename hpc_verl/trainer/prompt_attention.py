@@ -58,48 +58,23 @@ def enable(model: Any) -> None:
 
 
 def _layer_class() -> Any:
-    import torch
-    from transformers.cache_utils import DynamicLayer
+    from hpc_verl.trainer.kvcache import preallocated_layer_class
 
-    class SharedPromptLayer(DynamicLayer):
-        """The first update (the prefill, one row per prompt) is the prompt part; later ones go to
-        per-row response buffers of ``capacity`` positions. ``keys``/``values`` are the response part."""
+    class SharedPromptLayer(preallocated_layer_class()):
+        """The first update (the prefill, one row per prompt) is the prompt part, kept as it came;
+        later ones go to per-row response buffers of ``capacity`` positions (the preallocated
+        layer's), so ``keys``/``values`` are the response part."""
 
         def __init__(self, capacity: int) -> None:
-            super().__init__()
-            self.capacity = int(capacity)
+            super().__init__(capacity)
             self.prompt_k: Any = None
             self.prompt_v: Any = None
-            self.k_buf: Any = None
-            self.v_buf: Any = None
-            self.length = 0
-
-        def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
-            self.dtype, self.device = key_states.dtype, key_states.device
-            self.is_initialized = True
 
         def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
             if self.prompt_k is None:
                 self.prompt_k, self.prompt_v = key_states, value_states
-                self.keys, self.values = key_states, value_states
                 return key_states, value_states
-            n = key_states.shape[-2]
-            if self.k_buf is None:
-                b, h, _, d = key_states.shape
-                self.k_buf = key_states.new_empty((b, h, self.capacity, d))
-                self.v_buf = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
-            if self.length + n > self.capacity:   # longer than planned: grow
-                self.k_buf = torch.cat([self.k_buf[:, :, :self.length], key_states], dim=-2)
-                self.v_buf = torch.cat([self.v_buf[:, :, :self.length], value_states], dim=-2)
-                self.capacity = self.length = self.k_buf.shape[-2]
-            else:
-                self.k_buf[:, :, self.length:self.length + n] = key_states
-                self.v_buf[:, :, self.length:self.length + n] = value_states
-                self.length += n
-            self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
-            return self.keys, self.values
+            return super().update(key_states, value_states)
 
         def get_seq_length(self) -> int:
             return (0 if self.prompt_k is None else self.prompt_k.shape[-2]) + self.length
