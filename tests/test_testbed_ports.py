@@ -58,3 +58,23 @@ def test_a_port_in_use_is_never_handed_out():
     finally:
         for s in held:
             s.close()
+
+
+def test_a_test_bed_without_free_ports_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from hpc_verl.testbed import __main__ as testbed_cli
+    from hpc_verl.testbed import cluster
+
+    if not (shutil.which("slurmctld") or Path("/usr/sbin/slurmctld").exists()):
+        pytest.skip("SLURM is not installed (scripts/setup.sh installs it)")
+
+    def exhausted(n, band):
+        raise OSError(f"no {n} free TCP ports in {band[0]}-{band[1]} on 127.0.0.1")
+
+    monkeypatch.setattr(cluster, "free_ports", exhausted)
+    rc = testbed_cli.main(["up", "--dir", str(tmp_path / "bed")])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("testbed: error: test bed: no 4 free TCP ports in 6400-7900")
+    assert not (tmp_path / "bed" / "testbed.json").exists() and not (tmp_path / "bed" / "slurm.conf").exists()

@@ -141,7 +141,10 @@ class TestBed:
         for sub in ("run", "state", "munge", "fakegpu", "logs", *[f"spool-{n}" for n in self.nodes]):
             (self.dir / sub).mkdir(exist_ok=True)
         os.chmod(self.dir / "munge", 0o700)
-        ctld_port, slurmd_port, *node_ports = free_ports(2 + len(self.nodes), SLURM_BAND)
+        try:
+            ctld_port, slurmd_port, *node_ports = free_ports(2 + len(self.nodes), SLURM_BAND)
+        except OSError as exc:
+            raise TestBedError(f"test bed: {exc}; stop other test beds or services there and retry") from None
         self._write_configs(ctld_port, slurmd_port, node_ports)
         atomic_write_json(self.info_file, {"dir": str(self.dir), "slurmctld_port": ctld_port,
                                            "slurmd_port": slurmd_port,
