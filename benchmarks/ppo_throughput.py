@@ -43,7 +43,8 @@ from benchmarks.rl_common import (add_workload_args, check_workload_args, make_a
 
 SIDES = {"ours": "ours (hpc-verl train, Ray; old log-probs by a separate forward)",
          "trl": "TRL GRPOTrainer (no gradient checkpointing, beta=0)",
-         "ours-shortcut": "ours, old log-probs from the sampler (one forward fewer)"}
+         "ours-shortcut": "ours, old log-probs from the sampler (one forward fewer)",
+         "ours-mkl": "ours with F.linear on MKL as TRL runs it (hpc_verl.cpu_matmul=torch)"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=4, help="timed rounds per run (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed first rounds per run (default: %(default)s)")
     p.add_argument("--no-shortcut", action="store_true", help="skip the extra sampler-log-prob row of ours")
+    p.add_argument("--no-mkl-row", action="store_true",
+                   help="skip the extra row of ours with torch's own F.linear (MKL) instead of oneDNN")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per run (default: %(default)s)")
     B.add_common_args(p)
     return p
@@ -63,8 +66,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def settings(a: argparse.Namespace, shortcut: bool = False) -> dict[str, Any]:
-    return {**workload_settings(a, shortcut), "rounds": a.rounds, "warmup": a.warmup}
+def settings(a: argparse.Namespace, side: str = "ours") -> dict[str, Any]:
+    return {**workload_settings(a, side == "ours-shortcut", "torch" if side == "ours-mkl" else "onednn"),
+            "rounds": a.rounds, "warmup": a.warmup}
 
 
 def run_side(side: str, a: argparse.Namespace, model: Path, data: Path, work: Path, tag: str) -> dict[str, Any]:
@@ -72,8 +76,8 @@ def run_side(side: str, a: argparse.Namespace, model: Path, data: Path, work: Pa
     steps = a.warmup + a.rounds
     before = B.loadavg()
     log = work / f"{tag}.log"
-    if side in ("ours", "ours-shortcut"):
-        s = settings(a, shortcut=side == "ours-shortcut")
+    if side.startswith("ours"):
+        s = settings(a, side)
         run_dir = work / tag
         wall = run_child(ours_command(s, model, data, run_dir, steps), a.cpus, a.threads, log, a.timeout_s)
         from hpc_verl.trainer.metrics import read_metrics
@@ -179,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     env = B.environment(("torch", "ray", "transformers", "trl"))
     con = B.console()
-    sides = ["ours", "trl"] + ([] if a.no_shortcut else ["ours-shortcut"])
+    sides = ["ours", "trl"] + ([] if a.no_shortcut else ["ours-shortcut"]) + ([] if a.no_mkl_row else ["ours-mkl"])
     v = env["versions"]
     con.print(f"TRL {v['trl']}, torch {v['torch']}, transformers {v['transformers']}, Ray {v['ray']}; "
               f"CPUs {a.cpus}, {a.threads} torch thread(s) per process; load {env['loadavg_start']}")

@@ -109,12 +109,13 @@ def check_workload_args(p: Any, a: Any, also: Sequence[str] = ()) -> None:
         p.error(str(exc))
 
 
-def workload_settings(a: Any, shortcut: bool = False) -> dict[str, Any]:
-    """What both sides are told to do (and what the report records)."""
+def workload_settings(a: Any, shortcut: bool = False, cpu_matmul: str = "onednn") -> dict[str, Any]:
+    """What both sides are told to do (and what the report records); ``cpu_matmul`` is ours only
+    (``hpc_verl.cpu_matmul``: TRL runs ``F.linear``, i.e. MKL on a CPU, which is ours' ``torch``)."""
     return {"size": a.size, "hidden": a.hidden, "layers": a.layers, "heads": a.heads, "prompts": a.prompts,
             "group": a.group, "response_length": a.response_length, "updates_per_round": a.updates_per_round,
             "threads": a.threads, "cores": len(a.cpus), "cpus": a.cpus, "repeats": a.repeats,
-            "old_log_prob_from_rollout": shortcut, "ppo_epochs": 1}
+            "old_log_prob_from_rollout": shortcut, "ppo_epochs": 1, "cpu_matmul": cpu_matmul}
 
 
 def per_step(s: Mapping[str, Any]) -> int:
@@ -142,6 +143,7 @@ def ours_command(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path, s
         "trainer.seed": 0, "hpc_verl.run_dir": run_dir, "hpc_verl.progress": "false",
         "hpc_verl.torch_threads": s["threads"], "hpc_verl.ray_num_cpus": s["cores"],
         "hpc_verl.old_log_prob_from_rollout": "true" if s["old_log_prob_from_rollout"] else "false",
+        "hpc_verl.cpu_matmul": s.get("cpu_matmul", "onednn"),
     }
     return [sys.executable, "-m", "hpc_verl.trainer.main", "--no-progress",
             *[f"{k}={v}" for k, v in overrides.items()]]

@@ -22,6 +22,7 @@ from benchmarks import benchlib as B  # noqa: E402
 from benchmarks import bringup, dataflow_overhead, ppo_throughput, startup  # noqa: E402
 from benchmarks.counting import (COUNT_KEYS, PassCounter, generated_tokens, ours_counts_from_config,  # noqa: E402
                                  ours_round_counts)
+from benchmarks.rl_common import ours_command  # noqa: E402
 
 
 # ---------------------------------------------------------------- arguments
@@ -161,12 +162,17 @@ def test_ppo_report_gives_a_ratio_only_at_equal_work():
     ours = ours_counts_from_config(s)
     shortcut = ours_counts_from_config(dict(s, old_log_prob_from_rollout=True))
     runs = {"ours": [_run(ours, (0.1, 0.1))], "trl": [_run(ours, (0.2, 0.2))],
-            "ours-shortcut": [_run(shortcut, (0.05, 0.05))]}
+            "ours-shortcut": [_run(shortcut, (0.05, 0.05))], "ours-mkl": [_run(ours, (0.16, 0.16))]}
     rep = ppo_throughput.build_report(a, runs, B.environment(), 1000)
     assert rep["equal_work"] is True and rep["ratio"] == pytest.approx(2.0)
     extra = next(r for r in rep["rows"] if r["name"] == "ours-shortcut")
     assert extra["kind"] == "extra" and extra["ratio_vs_baseline"] is None
     assert "fwd_rows 32 vs 16" in extra["no_ratio_because"]
+    mkl = next(r for r in rep["rows"] if r["name"] == "ours-mkl")   # equal work, another GEMM: a ratio, not the headline
+    assert mkl["kind"] == "extra" and mkl["ratio_vs_baseline"] == pytest.approx(1.25)
+    cmds = {side: ours_command(ppo_throughput.settings(a, side), Path("m"), Path("d"), Path("r"), 1)
+            for side in ("ours", "ours-mkl")}
+    assert "hpc_verl.cpu_matmul=onednn" in cmds["ours"] and "hpc_verl.cpu_matmul=torch" in cmds["ours-mkl"]
     # TRL did one forward pass more per round than ours: no headline ratio at all
     runs["trl"] = [_run(dict(ours, fwd_rows=ours["fwd_rows"] + 16))]
     rep = ppo_throughput.build_report(a, runs, B.environment(), 1000)

@@ -29,6 +29,7 @@ def test_defaults_and_overrides_use_verl_names(tmp_path):
     ("data.train_batch_size=0", "must be > 0"),
     ("actor_rollout_ref.rollout.name=vlm", "not one of hf, vllm (did you mean 'vllm'?)"),
     ("algorithm.adv_estimator=ppo", "not one of gae, grpo"),
+    ("hpc_verl.cpu_matmul=mkl", "not one of onednn, torch"),
     ("algorithm.gamma=1.5", "within [0, 1]"),
     ("algorithm.kl_ctrl=3", "is a section"),
     ("trainer.save_freq=true", "expected an integer"),

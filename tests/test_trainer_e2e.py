@@ -109,6 +109,10 @@ def test_kill_after_checkpoint_then_resume_and_preempt(tiny_model, digits_data, 
     # steps before the checkpoint kept from run 1, nothing duplicated
     steps = [r["step"] for r in _records(run_dir)]
     assert steps == list(range(1, len(steps) + 1))
+    # where each step's time went: the phases are measured, inside the step's time
+    for r in _records(run_dir):
+        phases = [r["timing_s/gen"], r["timing_s/old_log_prob"], r["timing_s/update_actor"]]
+        assert min(phases) >= 0 and r["timing_s/update_actor"] > 0 and sum(phases) < r["timing_s/step"], r
     # the preemption checkpoint is at the last finished step and is now the latest
     last = latest_checkpoint(run_dir)
     assert last.name == f"global_step_{steps[-1]}" and steps[-1] > ckpt_step

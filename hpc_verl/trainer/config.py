@@ -82,6 +82,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.device": ("cuda", "cpu"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
+    "hpc_verl.cpu_matmul": ("onednn", "torch"),
 }
 
 # key -> (minimum, inclusive?) for numbers

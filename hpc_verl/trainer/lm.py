@@ -31,6 +31,15 @@ def setup_threads(cfg: dict) -> None:
         torch_mod().set_num_threads(int(n))
 
 
+def cpu_linears(cfg: dict, model: Any) -> int:
+    """``hpc_verl.cpu_matmul``: a CPU model's float32 linear layers on oneDNN (``cpu_gemm``); how many."""
+    from hpc_verl.trainer import cpu_gemm
+
+    if next(model.parameters()).device.type != "cpu":
+        return 0
+    return cpu_gemm.install(model, cfg.get("hpc_verl", {}).get("cpu_matmul", "onednn"))
+
+
 def load_causal_lm(path: str, device: str, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
     torch = torch_mod()
     from transformers import AutoModelForCausalLM

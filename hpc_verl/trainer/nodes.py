@@ -18,6 +18,7 @@ later batch reaches a rollout replica that does not hold that version.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from hpc_verl.dataflow.context import SNAPSHOT, TENSORS
@@ -303,6 +304,7 @@ class ActorNode(_Ulysses):
             batch["ref_log_prob"] = adv_src["ref_log_prob"]
         mask = batch["response_mask"]
         own_rows = 0
+        t0 = time.perf_counter()
         if self.cfg["hpc_verl"]["old_log_prob_from_rollout"] and "rollout_log_prob" in batch:
             # the sampler's log-probs (the behaviour policy's, checked by version): skip the extra forward
             batch["old_log_prob"] = batch["rollout_log_prob"]
@@ -310,8 +312,10 @@ class ActorNode(_Ulysses):
             lp, _ = self.worker.compute_log_prob(batch)
             batch.update(lp)
             own_rows = batch["responses"].shape[0]
+        t_old = time.perf_counter() - t0
         metrics = dict(adv_src.get("metrics", {}))
         step = int(batch.get("step", 0))
+        t0 = time.perf_counter()
         if step > int(self.cfg["trainer"]["critic_warmup"]):
             update = self.worker.update_policy(batch, step=step)
             if self.overlap:
@@ -321,6 +325,7 @@ class ActorNode(_Ulysses):
                 _context().emit_control(TENSORS, self.worker.version)
         else:  # trainer.critic_warmup: the critic learns first, the policy (and its version) stays
             update = {"counts": {}, "actor/policy_version": self.worker.version}
+        t_update = time.perf_counter() - t0
         counts = _sum_counts(update.pop("counts"), {"fwd_rows": own_rows}, adv_src.get("counts"),
                              batch.get("counts"))
         metrics.update(update)
@@ -340,6 +345,7 @@ class ActorNode(_Ulysses):
             "n_responses": int(mask.shape[0]), "n_response_tokens": int(mask.sum()),
             "n_total_tokens": int(batch["attention_mask"].sum()),   # prompt + response (verl's global_token_num)
             "timing_s/gen": float(max(batch.get("gen_time_s", [0.0]))),
+            "timing_s/old_log_prob": t_old, "timing_s/update_actor": t_update,   # (this rank's, as verl)
             "rollout/replicas": len(batch.get("replicas", [])),
             "perf/fwd_rows": counts.get("fwd_rows", 0), "perf/bwd_rows": counts.get("bwd_rows", 0),
             "perf/optim_steps": counts.get("optim_steps", 0), "perf/gen_tokens": counts.get("gen_tokens", 0),

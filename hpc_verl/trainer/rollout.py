@@ -16,7 +16,7 @@ from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import prompt_attention as P
 from hpc_verl.trainer.kvcache import expand_rows, preallocated_cache
-from hpc_verl.trainer.lm import load_causal_lm, load_tokenizer, pick_device, setup_threads, torch_mod
+from hpc_verl.trainer.lm import cpu_linears, load_causal_lm, load_tokenizer, pick_device, setup_threads, torch_mod
 from hpc_verl.trainer.parallel import load_named
 
 
@@ -46,6 +46,7 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(mcfg["tokenizer_path"] or mcfg["path"], mcfg["trust_remote_code"])
         self.model = load_causal_lm(mcfg["path"], self.device, rcfg["dtype"], mcfg["trust_remote_code"])
         self.model.eval()
+        cpu_linears(cfg, self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.version = 0

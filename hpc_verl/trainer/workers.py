@@ -21,8 +21,8 @@ from typing import Any, Callable
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer import algorithms as A
 from hpc_verl.trainer import ulysses
-from hpc_verl.trainer.lm import (can_share_prompts, chunks, load_causal_lm, pick_device, response_log_probs,
-                                 setup_threads, sub_batch, torch_mod)
+from hpc_verl.trainer.lm import (can_share_prompts, chunks, cpu_linears, load_causal_lm, pick_device,
+                                 response_log_probs, setup_threads, sub_batch, torch_mod)
 from hpc_verl.trainer.parallel import (Parallel, TrainModel, full_tensors, load_sharded, offload_optimizer,
                                        save_sharded, shard_model, shards)
 
@@ -242,6 +242,7 @@ class ActorWorker(_Trainable):
         self.device = pick_device(cfg)
         self.par = Parallel.current(self.device)
         module = load_causal_lm(mcfg["path"], self.device, "float32", mcfg["trust_remote_code"])
+        cpu_linears(cfg, module)
         if mcfg["enable_gradient_checkpointing"]:
             module.gradient_checkpointing_enable()
         self._init_sp(module, self.acfg["fsdp_config"]["ulysses_sequence_parallel_size"])
@@ -324,6 +325,7 @@ class CriticWorker(_Trainable):
         mcfg.classifier_dropout = 0.0
         module = AutoModelForTokenClassification.from_pretrained(path, config=mcfg, local_files_only=True,
                                                                  trust_remote_code=trust).to(self.device)
+        cpu_linears(cfg, module)
         self._init_sp(module, self.ccfg["fsdp"]["ulysses_sequence_parallel_size"])
         self._init_training(module, self.ccfg["strategy"], self.ccfg["fsdp"], self.ccfg["optim"], total_steps)
         self.n = int(cfg["actor_rollout_ref"]["rollout"]["n"])
@@ -370,6 +372,7 @@ class RefWorker(_SequenceParallel):
         self.device = pick_device(cfg)
         self.par = Parallel.current(self.device)
         self.model = load_causal_lm(mcfg["path"], self.device, "float32", mcfg["trust_remote_code"])
+        cpu_linears(cfg, self.model)
         self.model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
