@@ -89,14 +89,23 @@ def test_port_layout_errors():
 
 
 def test_pick_node_ports_moves_off_a_taken_block():
-    want = port_block(11, port_base=24000, port_stride=100, port_slots=50)
-    with socket.socket() as s:
-        s.bind(("", want.node_manager))
-        s.listen()
-        assert busy_ports([want.node_manager]) == [want.node_manager]
-        got = pick_node_ports(11, head=True, port_base=24000, port_stride=100, port_slots=50)
-    assert got.block_start != want.block_start
-    assert want.node_manager not in got.all_ports(head=True)
+    layout = {"port_base": 24000, "port_stride": 100, "port_slots": 50}
+    # the SLURM tests beside this one start Rays in this range: take the first job whose
+    # node-manager port is free now (a fixed one was once held by one of them)
+    for job in range(11, 50):
+        want = port_block(job, **layout)
+        with socket.socket() as s:
+            try:
+                s.bind(("", want.node_manager))
+            except OSError:
+                continue
+            s.listen()
+            assert busy_ports([want.node_manager]) == [want.node_manager]
+            got = pick_node_ports(job, head=True, **layout)
+        assert got.block_start != want.block_start
+        assert want.node_manager not in got.all_ports(head=True)
+        return
+    pytest.fail("no free node-manager port in 24000-28999 to take")
 
 
 
