@@ -143,7 +143,7 @@ def ours_command(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path, s
         "trainer.seed": 0, "hpc_verl.run_dir": run_dir, "hpc_verl.progress": "false",
         "hpc_verl.torch_threads": s["threads"], "hpc_verl.ray_num_cpus": s["cores"],
         "hpc_verl.old_log_prob_from_rollout": "true" if s["old_log_prob_from_rollout"] else "false",
-        "hpc_verl.cpu_matmul": s.get("cpu_matmul", "onednn"),
+        "hpc_verl.cpu_matmul": s["cpu_matmul"],
     }
     return [sys.executable, "-m", "hpc_verl.trainer.main", "--no-progress",
             *[f"{k}={v}" for k, v in overrides.items()]]

@@ -69,7 +69,7 @@ class _LinearFn(torch.autograd.Function):
 
 def linear(x: Any, weight: Any, bias: Any = None) -> Any:
     """``F.linear(x, weight, bias)``, on oneDNN for plain float32 CPU tensors."""
-    if (_op is None or _op is False or type(x) is not torch.Tensor or type(weight) not in _PLAIN
+    if (not _op or type(x) is not torch.Tensor or type(weight) not in _PLAIN
             or x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.device.type != "cpu"):
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad

@@ -35,9 +35,7 @@ def cpu_linears(cfg: dict, model: Any) -> int:
     """``hpc_verl.cpu_matmul``: a CPU model's float32 linear layers on oneDNN (``cpu_gemm``); how many."""
     from hpc_verl.trainer import cpu_gemm
 
-    if next(model.parameters()).device.type != "cpu":
-        return 0
-    return cpu_gemm.install(model, cfg.get("hpc_verl", {}).get("cpu_matmul", "onednn"))
+    return cpu_gemm.install(model, cfg["hpc_verl"]["cpu_matmul"])   # (layers on a GPU are left as they are)
 
 
 def load_causal_lm(path: str, device: str, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
