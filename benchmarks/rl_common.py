@@ -209,6 +209,8 @@ def trl_worker(spec: Mapping[str, Any]) -> dict[str, Any]:
     lengths: list[float] = []
     marks = {"before": counter.snapshot()}
     first_step_file = spec.get("first_round_file")
+    profile_round = spec.get("profile_round")   # ppo_profile: round profile_round + 1 under torch's profiler
+    profiled: dict[str, Any] = {}
 
     class Clock(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -219,6 +221,21 @@ def trl_worker(spec: Mapping[str, Any]) -> dict[str, Any]:
                 marks["before"] = now
                 if first_step_file and len(stamps) == u:
                     Path(first_step_file).write_text(f"{stamps[-1]}\n")
+                if profile_round is not None:
+                    profile_rounds(len(stamps) // u)
+
+    def profile_rounds(done: int) -> None:
+        from benchmarks.ppo_profile import finish_side, summarise
+
+        if done == profile_round:
+            profiled["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                      record_shapes=True)
+            profiled["prof"].start()
+            profiled["t"] = time.perf_counter()
+        elif done == profile_round + 1 and "prof" in profiled:
+            wall = time.perf_counter() - profiled["t"]
+            profiled["prof"].stop()
+            profiled["summary"] = finish_side(summarise(profiled.pop("prof"), wall))
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
             if logs and "completions/mean_length" in logs:
@@ -250,6 +267,7 @@ def trl_worker(spec: Mapping[str, Any]) -> dict[str, Any]:
                                                                       False)),
             "recomputed_layer_rows": counter.layer_rows - counter.totals["fwd_rows"],
             "mean_completion_length": statistics.mean(lengths) if lengths else None,
+            "profile": profiled.get("summary"),
             "versions": {"trl": trl.__version__, "torch": torch.__version__,
                          "transformers": transformers.__version__}}
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import benchlib as B  # noqa: E402
-from benchmarks import bringup, dataflow_overhead, ppo_throughput, startup  # noqa: E402
+from benchmarks import bringup, dataflow_overhead, ppo_profile, ppo_throughput, startup  # noqa: E402
 from benchmarks.counting import (COUNT_KEYS, PassCounter, generated_tokens, ours_counts_from_config,  # noqa: E402
                                  ours_round_counts)
 from benchmarks.rl_common import ours_command  # noqa: E402
@@ -42,6 +42,8 @@ from benchmarks.rl_common import ours_command  # noqa: E402
     (bringup, ["--testbed-dir", "/x", "--nodes", "2,4"], "a single --nodes count"),
     (bringup, ["--warmup", "-1"], "--warmup must be >= 0"),
     (startup, ["--sides", "submit,train"], "give trl and at least one of submit, train"),
+    (ppo_profile, ["--sides", "trl"], "give ours and optionally trl"),
+    (ppo_profile, ["--warmup", "0"], "--warmup must be >= 1"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(mod, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -285,6 +287,73 @@ def test_trl_counts_equal_ours_analytic_counts_at_the_same_settings(tmp_path):
     assert out["counts"] == [ours_counts_from_config(s)] * 2
     assert out["gradient_checkpointing"] is False and out["recomputed_layer_rows"] == 0
     assert len(out["round_s"]) == 1 and out["versions"]["trl"]
+
+
+# ---------------------------------------------------------------- ppo_profile's accounting
+def test_profile_buckets_name_the_gemms_attention_and_optimizer():
+    assert [ppo_profile.bucket(op) for op in ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm",
+                                               "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                               "aten::_fused_adamw_", "aten::mul")] == \
+        ["gemm", "gemm", "gemm", "attention", "attention", "optimizer", "other ops"]
+    assert ppo_profile.gemm_flops("mkldnn::_linear_pointwise", [[32, 31, 512], [1024, 512], [], []]) == \
+        2 * 32 * 31 * 512 * 1024
+    assert ppo_profile.gemm_flops("aten::mm", [[1024, 512], [512, 64]]) == 2 * 1024 * 512 * 64
+    assert ppo_profile.gemm_flops("aten::addmm", [[64], [8, 16], [16, 64], [], []]) == 2 * 8 * 16 * 64
+    assert ppo_profile.gemm_flops("aten::bmm", [[4, 2, 3], [4, 3, 5]]) == 0
+
+
+@pytest.mark.parametrize("choice", ["torch", "onednn"])
+def test_profile_counts_a_linear_layers_three_products(choice):
+    """A linear layer's forward, input gradient and weight gradient are 3 x 2MKN FLOPs in the
+    profile's GEMM bucket, on MKL (F.linear) and on oneDNN (cpu_gemm) alike; the floor is timed."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+
+    from hpc_verl.trainer import cpu_gemm
+
+    M, K, N = 48, 64, 40
+    layer = torch.nn.Sequential(torch.nn.Linear(K, N))
+    assert cpu_gemm.install(layer, choice) == (1 if choice == "onednn" and cpu_gemm.available() else 0)
+    x = torch.randn(4, 12, K, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        layer(x).sum().backward()
+    s = ppo_profile.finish_side(ppo_profile.summarise(prof, 5.0))
+    assert s["gemm_gflop"] * 1e9 == pytest.approx(3 * 2 * M * K * N)
+    assert sum(s["buckets_s"].values()) == pytest.approx(5.0) and s["buckets_s"]["gemm"] > 0
+    assert 0 < s["gemm_floor_s"] < 5.0
+
+
+@pytest.mark.slow
+def test_ppo_profile_runs_small_and_writes_its_report(tmp_path):
+    out = tmp_path / "prof.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ppo_profile.py"), "--size", "tiny",
+                          "--prompts", "4", "--group", "2", "--response-length", "4", "--updates-per-round", "2",
+                          "--sides", "ours", "--repeats", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:] + res.stdout[-2000:]
+    rep = json.loads(out.read_text())
+    assert tuple(rep) == B.REPORT_KEYS and rep["ratio"] >= 1.0 and "only 1 repeat" in rep["notes"][0]
+    ours = rep["rows"][0]
+    assert ours["name"] == "ours" and ours["gemm_gflop"] > 0 and ours["gemm_floor_s"] > 0 and ours["plain_round_s"] > 0
+    assert sum(ours["buckets_s"].values()) == pytest.approx(ours["round_s"], abs=0.01)
+    assert ours["runs"][0]["top_non_gemm"] and "largest non-GEMM operators" in res.stdout
+    assert ours["profiler_cost_s"] == pytest.approx(ours["round_s"] - ours["plain_round_s"], abs=1e-3)
+    assert "ppo_profile: ratio" in res.stdout
+
+
+def test_trl_profile_sees_more_gemm_work_than_ours_at_equal_passes(tmp_path):
+    """At the same counted passes TRL's products cover every row's prompt, ours each prompt once:
+    the profiles' FLOPs must show TRL's as the larger (a check of the accounting on both sides)."""
+    pytest.importorskip("trl")
+    from benchmarks.rl_common import make_assets, trl_worker, workload_settings
+    model_dir, data, _ = make_assets(tmp_path, 32, 1, 4, 64)
+    a = ppo_profile.parse_args(["--size", "tiny", "--hidden", "32", "--layers", "1", "--prompts", "4", "--group", "4",
+                                "--response-length", "4", "--updates-per-round", "2"])
+    s = {**workload_settings(a), "warmup": 1}
+    common = {"settings": s, "model": str(model_dir), "data": str(data)}
+    trl = trl_worker({**common, "steps": 2, "work": str(tmp_path / "t"), "profile_round": 1})["profile"]
+    ours = ppo_profile.ours_child({**common, "work": str(tmp_path / "o")})
+    assert trl["gemm_gflop"] > ours["gemm_gflop"] > 0
 
 
 # ---------------------------------------------------------------- bring-up pieces that need no SLURM
