@@ -33,18 +33,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import benchlib as B  # noqa: E402
-from benchmarks.rl_common import (add_workload_args, check_workload_args, make_assets, ours_command,  # noqa: E402
-                                  run_child, trl_command, workload_settings)
+from benchmarks.rl_common import (add_workload_args, check_workload_args, make_assets,  # noqa: E402
+                                  ours_overrides, run_child, trl_command, workload_settings)
 from hpc_verl.errors import report_errors  # noqa: E402
 
 SIDES = {"ours": "ours (the trainer's roles in one process, InlineRunner)", "trl": "TRL GRPOTrainer"}
@@ -66,19 +67,13 @@ def bucket(op: str) -> str:
 
 def gemm_flops(op: str, shapes: Sequence[Sequence[int]]) -> int:
     """Multiply-adds x 2 of one GEMM call from its input shapes (0 for anything else)."""
-    def prod(xs: Iterable[int]) -> int:
-        out = 1
-        for x in xs:
-            out *= int(x)
-        return out
-
     if op == "mkldnn::_linear_pointwise" and len(shapes) >= 2 and len(shapes[1]) == 2 and shapes[0]:
         x, w = shapes[0], shapes[1]                   # x [..., K] @ W[N, K]^T
-        return 2 * prod(x[:-1]) * int(x[-1]) * int(w[0])
+        return 2 * math.prod(x[:-1]) * int(x[-1]) * int(w[0])
     if op == "aten::mm" and len(shapes) >= 2 and len(shapes[0]) == 2 and len(shapes[1]) == 2:
-        return 2 * prod(shapes[0]) * int(shapes[1][1])
+        return 2 * math.prod(shapes[0]) * int(shapes[1][1])
     if op == "aten::addmm" and len(shapes) >= 3 and len(shapes[1]) == 2 and len(shapes[2]) == 2:
-        return 2 * prod(shapes[1]) * int(shapes[2][1])
+        return 2 * math.prod(shapes[1]) * int(shapes[2][1])
     return 0
 
 
@@ -158,8 +153,8 @@ def ours_child(spec: dict[str, Any]) -> dict[str, Any]:
     s = spec["settings"]
     torch.set_num_threads(int(s["threads"]))
     steps = int(s["warmup"]) + 2
-    cmd = ours_command(s, Path(spec["model"]), Path(spec["data"]), Path(spec["work"]), steps)
-    cfg = load_config(None, [arg for arg in cmd if "=" in arg and not arg.startswith("-")])
+    overrides = ours_overrides(s, Path(spec["model"]), Path(spec["data"]), Path(spec["work"]), steps)
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     trainer = PPOTrainer(cfg, runner=InlineRunner(), progress=False)
     trainer.runner.start(trainer.cfg.to_dict(), steps)
     for _ in range(int(s["warmup"])):
@@ -289,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     con = B.console()
     with tempfile.TemporaryDirectory(prefix="hpcv-ppo-profile-") as d:
         work = Path(d)
-        model, data, params = make_assets(work, a.hidden, a.layers, a.heads, max(256, a.prompts * (a.warmup + 1)))
+        model, data, params = make_assets(work, a.hidden, a.layers, a.heads, max(256, a.prompts * (a.warmup + 2)))
         con.print(f"model: Llama hidden {a.hidden} x {a.layers} layers, {params / 1e6:.1f}M parameters; "
                   f"{a.prompts} prompts x {a.group}, {a.response_length} tokens; CPUs {a.cpus}, {a.threads} thread(s)")
         runs: dict[str, list[dict]] = {s: [] for s in a.side_list}

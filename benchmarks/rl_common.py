@@ -123,10 +123,10 @@ def per_step(s: Mapping[str, Any]) -> int:
     return int(s["prompts"]) * int(s["group"]) // int(s["updates_per_round"])
 
 
-def ours_command(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path, steps: int) -> list[str]:
-    """Our trainer, as ``hpc-verl train`` runs it, with the benchmark's settings."""
+def ours_overrides(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path, steps: int) -> dict[str, Any]:
+    """Our trainer's config overrides (key -> value) for the benchmark's settings."""
     mini = int(s["prompts"]) // int(s["updates_per_round"])
-    overrides = {
+    return {
         "actor_rollout_ref.model.path": model, "data.train_files": data / "train.parquet",
         "data.max_prompt_length": 16, "data.max_response_length": s["response_length"],
         "data.train_batch_size": s["prompts"], "actor_rollout_ref.rollout.n": s["group"],
@@ -145,8 +145,12 @@ def ours_command(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path, s
         "hpc_verl.old_log_prob_from_rollout": "true" if s["old_log_prob_from_rollout"] else "false",
         "hpc_verl.cpu_matmul": s["cpu_matmul"],
     }
+
+
+def ours_command(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path, steps: int) -> list[str]:
+    """Our trainer, as ``hpc-verl train`` runs it, with the benchmark's settings."""
     return [sys.executable, "-m", "hpc_verl.trainer.main", "--no-progress",
-            *[f"{k}={v}" for k, v in overrides.items()]]
+            *[f"{k}={v}" for k, v in ours_overrides(s, model, data, run_dir, steps).items()]]
 
 
 def child_env(threads: int) -> dict[str, str]:

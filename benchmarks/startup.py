@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import benchlib as B  # noqa: E402
 from benchmarks.rl_common import (add_workload_args, check_workload_args, child_env, make_assets,  # noqa: E402
-                                  ours_command, run_child, trl_command, workload_settings)
+                                  ours_command, ours_overrides, run_child, trl_command, workload_settings)
 from hpc_verl.errors import report_errors  # noqa: E402
 
 SIDES = {"submit": "hpc-verl submit --profile local (whole local pipeline)",
@@ -102,8 +102,7 @@ def run_submit(a: argparse.Namespace, model: Path, data: Path, work: Path) -> di
     """``hpc-verl submit --profile local``: stdout lines time-stamped as they come; step 1 by polling."""
     import yaml
 
-    cmd = ours_command(workload_settings(a), model, data, Path("unused"), 1)
-    overrides = dict(arg.split("=", 1) for arg in cmd[4:])
+    overrides = {k: str(v) for k, v in ours_overrides(workload_settings(a), model, data, Path("unused"), 1).items()}
     for key in ("actor_rollout_ref.model.path", "data.train_files", "hpc_verl.run_dir", "trainer.nnodes",
                 "trainer.n_gpus_per_node"):
         overrides.pop(key)  # the launcher derives them from the job's model/data, its run dir and the allocation
