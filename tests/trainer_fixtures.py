@@ -12,7 +12,7 @@ def tiny_model(tmp_path_factory) -> Path:
     from hpc_verl.trainer.model import make_tiny_model
     from hpc_verl.trainer.model import quiet_transformers
     quiet_transformers()
-    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", hidden_size=64, num_layers=2, num_heads=4)
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", hidden_size=64, num_layers=2, num_heads=2)
 
 
 @pytest.fixture(scope="session")

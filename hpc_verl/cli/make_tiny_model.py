@@ -9,7 +9,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--heads", type=int, default=2,
+                   help="attention heads (default 2: head_dim 32, the smallest vLLM's CPU attention serves)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_run)

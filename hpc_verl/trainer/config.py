@@ -63,6 +63,7 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "hpc_verl.device_mapping": (dict,),
     "hpc_verl.torch_threads": (int,),
     "hpc_verl.old_log_prob_from_rollout": (bool,),
+    "actor_rollout_ref.rollout.enable_sleep_mode": (bool,),
     "hpc_verl.collective_timeout_s": (int, float),
     "hpc_verl.start_timeout_s": (int, float),
 }
@@ -450,6 +451,9 @@ def validate_for_run(cfg: Mapping) -> None:
     if cfg["algorithm"]["adv_estimator"] == "gae" and not cfg["critic"]["enable"]:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true or use "
                           "algorithm.adv_estimator=grpo")
+    if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":   # here, where the workers run, not on a login node
+        from hpc_verl.trainer.vllm_engine import check_vllm_install
+        check_vllm_install(str(cfg["trainer"]["device"]))
 
 
 def to_yaml(cfg: Mapping) -> str:

@@ -38,10 +38,16 @@ def cpu_linears(cfg: dict, model: Any) -> int:
     return cpu_gemm.install(model, cfg["hpc_verl"]["cpu_matmul"])   # (layers on a GPU are left as they are)
 
 
+def compute_dtype(device: str, dtype: str) -> str:
+    """The dtype a role computes in: the configured one on GPUs, float32 on a CPU (every CPU role,
+    the vLLM engine too, so their log-probs agree)."""
+    return "float32" if device == "cpu" else dtype
+
+
 def load_causal_lm(path: str, device: str, dtype: str = "float32", trust_remote_code: bool = False) -> Any:
     torch = torch_mod()
     from transformers import AutoModelForCausalLM
-    torch_dtype = getattr(torch, dtype) if device != "cpu" else torch.float32
+    torch_dtype = getattr(torch, compute_dtype(device, dtype))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
                                                      trust_remote_code=trust_remote_code)

@@ -45,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
         print(describe_placement(cfg))
         return 0
     if args.check:  # the full offline model check (config and tokenizer load), then the trainer's own
+        from hpc_verl.trainer.config import validate_for_run
         from hpc_verl.trainer.model import check_model
         from hpc_verl.trainer.ppo import PPOTrainer
+        validate_for_run(cfg)
         check_model(cfg.actor_rollout_ref.model.path)
         trainer = PPOTrainer(cfg, progress=False)
         print(f"ok: {len(trainer.dataset)} prompts, {trainer.total_steps} steps, run dir {trainer.run_dir}")

@@ -69,7 +69,7 @@ def build_char_tokenizer() -> Any:
 
 
 def make_tiny_model(out_dir: str | os.PathLike[str], hidden_size: int = 64, num_layers: int = 2,
-                    num_heads: int = 4, intermediate_size: int | None = None, seed: int = 0,
+                    num_heads: int = 2, intermediate_size: int | None = None, seed: int = 0,
                     max_positions: int = 1024, overwrite: bool = False) -> Path:
     """Write a random tiny Llama causal LM and its tokenizer to ``out_dir`` (atomically)."""
     import torch

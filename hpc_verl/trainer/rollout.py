@@ -1,5 +1,5 @@
 """The rollout role: batched sampling with the transformers model and its KV cache
-(or vLLM behind the same calls, GPU only: ``vllm_rollout``).
+(or vLLM behind the same calls, on GPUs or its CPU build: ``vllm_rollout``).
 
 A replica generates for its shard of the batch. Its sampling generator is seeded
 from (trainer.seed, step, the shard's first row): reproducible for a given layout,

