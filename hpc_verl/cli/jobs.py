@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node", default=None, help="this node's Ray/step log instead of the batch log")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     p.add_argument("--metrics", nargs="?", type=int, const=10, default=None, metavar="N",
-                   help="the trainer's last N steps (default 10) as a table, from the run's metrics.jsonl")
+                   help="the trainer's last N steps (default 10) as a table, from the run's metrics.jsonl "
+                        "(upstream verl: its step lines in the job's log)")
     p.set_defaults(func=cmd_logs)
     p = sub.add_parser("cancel", help="cancel a job (its trap stops Ray and containers)")
     p.add_argument("job")
@@ -69,7 +70,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     rec = registry.find(args.job)
     if args.metrics is not None:
         from hpc_verl.ops.metrics_table import print_last_steps
-        return print_last_steps(rec.run_dir or rec.job_dir, args.metrics)
+        return print_last_steps(rec.run_dir or rec.job_dir, args.metrics, logs=[rec.batch_log])
     return backends.for_record(rec).logs(rec, node=args.node, follow=args.follow)
 
 

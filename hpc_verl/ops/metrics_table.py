@@ -1,40 +1,80 @@
-"""``hpc-verl logs JOB --metrics``: the trainer's last steps as a table (verl's metric names)."""
+"""``hpc-verl logs JOB --metrics``: the trainer's last steps as a table (verl's metric names).
+
+The built-in trainer writes ``metrics.jsonl``. Upstream verl's console logger prints each step as a
+line ``step:N - key:value - ...`` (through Ray, behind a ``(TaskRunner pid=...)`` prefix); where
+there is no metrics file, those lines are read from the job's logs, so a verl job shows the same
+table. A requeued job prints a step again after resuming: the last print of a step counts.
+"""
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Iterable
 
 from hpc_verl.errors import HpcVerlError
 
 COLUMNS = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "critic/vf_loss",
            "response_length/mean", "rollout/staleness", "timing_s/step", "perf/throughput")
 METRICS_FILE = "metrics.jsonl"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STEP_LINE = re.compile(r"(?:^|[\s)])step:(\d+)((?: - [^\s:]+:\S+)+)\s*$")
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf)")
 
 
-def find_metrics(run_dir: str) -> Path:
+def find_metrics(run_dir: str) -> Path | None:
     """The run's metrics.jsonl: in the run dir, or the trainer's default_local_dir below it."""
     root = Path(run_dir)
     for candidate in (root / METRICS_FILE, root / "checkpoints" / METRICS_FILE):
         if candidate.is_file():
             return candidate
     found = sorted(root.glob(f"**/{METRICS_FILE}")) if root.is_dir() else []
-    if found:
-        return found[0]
-    raise HpcVerlError(f"no {METRICS_FILE} under {root} yet: the trainer writes it after its first step "
-                       f"(or this job does not run the built-in trainer)")
+    return found[0] if found else None
 
 
-def print_last_steps(run_dir: str, n: int) -> int:
+def steps_from_log(text: str) -> list[dict]:
+    """The ``step:N - key:value`` lines of a log as records, one per step (its last print), in order."""
+    by_step: dict[int, dict] = {}
+    for raw in text.splitlines():
+        m = _STEP_LINE.search(_ANSI.sub("", raw))
+        if not m:
+            continue
+        rec: dict = {"step": int(m.group(1))}
+        for item in m.group(2).split(" - ")[1:]:
+            key, _, value = item.partition(":")
+            inner = value[value.find("(") + 1:] if "(" in value else value   # numpy's repr: np.float64(0.5)
+            num = _NUMBER.match(inner)
+            if num:
+                rec[key] = float(num.group(0))
+        by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def last_steps(run_dir: str, logs: Iterable[str] = ()) -> tuple[list[dict], str]:
+    """Every step's record and where it came from: metrics.jsonl, else the job's logs."""
+    from hpc_verl.trainer.metrics import read_metrics
+
+    path = find_metrics(run_dir)
+    if path is not None:
+        return read_metrics(path), str(path)
+    for log in logs:
+        p = Path(log)
+        rows = steps_from_log(p.read_text(errors="replace")) if log and p.is_file() else []
+        if rows:
+            return rows, str(p)
+    raise HpcVerlError(f"no {METRICS_FILE} under {run_dir} and no 'step:N - key:value' lines in the job's log yet: "
+                       "the trainer reports after its first step")
+
+
+def print_last_steps(run_dir: str, n: int, logs: Iterable[str] = ()) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from hpc_verl.trainer.metrics import read_metrics
-
     if n < 1:
         raise HpcVerlError(f"--metrics {n}: give a number of steps >= 1")
-    path = find_metrics(run_dir)
-    rows = read_metrics(path)[-n:]
+    rows, source = last_steps(run_dir, logs)
+    rows = rows[-n:]
     present = [c for c in COLUMNS if any(isinstance(r.get(c), (int, float)) for r in rows)]
-    table = Table(title=f"last {len(rows)} step(s) of {path}")
+    table = Table(title=f"last {len(rows)} step(s) of {source}")
     table.add_column("step", justify="right")
     for col in present:
         table.add_column(col, justify="right")
