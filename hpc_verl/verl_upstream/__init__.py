@@ -4,5 +4,6 @@
 ``ppo_trainer`` config (composed with Hydra, without importing verl, whose
 package pulls GPU-side dependencies). ``overrides``: parsing and validation of
 Hydra overrides against that key set. ``command``: the main_ppo command line
-with the overrides derived from the profile and the allocation.
+with the overrides derived from the profile and the allocation. ``cpu``: verl on a
+CPU profile (a smoke run): the launcher's rules and the plugin verl loads.
 """

