@@ -137,8 +137,7 @@ class WeightSyncExtension:
 
     def hpc_reload_begin(self) -> None:
         """Open vLLM's layerwise reload: checkpoint-format layers back, loaders that buffer."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-        initialize_layerwise_reload(self._hpc_model())
+        begin_reload(self._hpc_model())
 
     def hpc_load_bucket(self, bucket: list[tuple[str, Any]]) -> int:
         """Load one bucket of Hugging Face-named tensors into the engine's model; returns how many."""
@@ -146,38 +145,48 @@ class WeightSyncExtension:
         return len(loaded) if loaded is not None else len(bucket)
 
     def hpc_reload_end(self) -> None:
-        """Close the reload: process what is still buffered, put back what got no tensor, then rebuild
-        the packed copies of layers that share a weight (a tied LM head)."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-        model = self._hpc_model()
-        # Layers the actor sends nothing for (rotary tables, a tied head) get their tensors back, and
-        # vLLM warns "Failed to load weights" for each at every sync; hpc_load_bucket's count is the check.
-        quiet = logging.getLogger(finalize_layerwise_reload.__module__)
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
-            finalize_layerwise_reload(model, self.model_runner.model_config)
-        finally:
-            quiet.setLevel(level)
-        _repack_plain_weight_layers(model)
+        """Close the reload (:func:`end_reload`)."""
+        end_reload(self._hpc_model(), self.model_runner.model_config)
 
     def hpc_model_dtype(self) -> str:
         return str(next(self._hpc_model().parameters()).dtype).replace("torch.", "")
 
 
-def _repack_plain_weight_layers(model: Any) -> int:
-    """On the CPU build: every layer that kept its plain weight next to a packed GEMM copy
-    (``cpu_linear``; embeddings, the LM head) gets the copy rebuilt from the weight it holds now.
-    A tied LM head shares the embedding's weight but is not loaded itself, so the reload alone
-    would leave it computing logits with the old packed copy."""
-    from vllm.platforms import current_platform
-    if not current_platform.is_cpu():
-        return 0
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    n = 0
-    for layer in model.modules():
-        weight = getattr(layer, "weight", None)
-        if hasattr(layer, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel() > 0:
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-            n += 1
-    return n
+def begin_reload(model: Any) -> None:
+    """Open vLLM's layerwise in-place reload of ``model`` (before the first bucket of a sync)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    initialize_layerwise_reload(model)
+
+
+def end_reload(model: Any, model_config: Any) -> None:
+    """Close the reload (after the last bucket): process what is still buffered, put back what got no
+    tensor, then pack again the layers that share a weight (:func:`repack_tied_weights`)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+    # Layers the actor sends nothing for (rotary tables, a tied head) get their tensors back, and
+    # vLLM warns "Failed to load weights" for each at every sync; the loaders' count is the check.
+    quiet = logging.getLogger(finalize_layerwise_reload.__module__)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        finalize_layerwise_reload(model, model_config)
+    finally:
+        quiet.setLevel(level)
+    repack_tied_weights(model)
+
+
+def repack_tied_weights(model: Any) -> list[str]:
+    """Pack again every layer whose weight is another layer's (a tied LM head) from that weight as it
+    is now; returns their names. Such a layer receives no tensor of its own, so the reload leaves it
+    with its kernel packed from the old weights (on the CPU build: vLLM's log-probs off by ~20 nats)."""
+    owners: dict[int, str] = {}
+    repacked = []
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        method = getattr(module, "quant_method", None)
+        if weight is None or weight.numel() == 0:
+            continue
+        first = owners.setdefault(id(weight), name)
+        if first != name and method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+            repacked.append(name)
+    return repacked

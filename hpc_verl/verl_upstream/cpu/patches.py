@@ -118,33 +118,13 @@ def reload_in_place(model: Any, model_config: Any, load: Callable[[], Any]) -> A
     weight is the embedding's, loaded under that name) keeps a packed copy of the old
     embedding until it is packed again from the shared, updated weight.
     """
-    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                         initialize_layerwise_reload)
+    from hpc_verl.trainer.vllm_engine import begin_reload, end_reload
 
-    initialize_layerwise_reload(model)
+    begin_reload(model)
     try:
-        result = load()
+        return load()
     finally:
-        finalize_layerwise_reload(model, model_config)
-    repack_tied_weights(model)
-    return result
-
-
-def repack_tied_weights(model: Any) -> list[str]:
-    """Pack again every layer whose weight is shared with another layer (a tied lm_head)
-    from that weight as it is now; returns their names."""
-    owners: dict[int, str] = {}
-    repacked = []
-    for name, module in model.named_modules():
-        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
-        method = getattr(module, "quant_method", None)
-        if weight is None or weight.numel() == 0:
-            continue
-        first = owners.setdefault(id(weight), name)
-        if first != name and method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-            repacked.append(name)
-    return repacked
+        end_reload(model, model_config)
 
 
 def vllm_cpu_weight_update(extension_cls: Any) -> None:
