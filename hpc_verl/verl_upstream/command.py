@@ -22,6 +22,11 @@ from hpc_verl.verl_upstream.overrides import (Override, check_overrides, one_lin
                                               parse_overrides)
 
 MODULE = "verl.trainer.main_ppo"
+
+
+def runs_verl(job: Any) -> bool:
+    """Whether ``job`` (a JobConfig) runs upstream verl's main_ppo rather than the built-in trainer."""
+    return getattr(job.trainer, "module", "") == MODULE
 ROLLOUT_NAME = "actor_rollout_ref.rollout.name"
 NUM_CPUS = "ray_kwargs.ray_init.num_cpus"
 KNOWN_ROLLOUTS = ("vllm", "sglang", "hf", "trtllm")

@@ -23,7 +23,7 @@ from hpc_verl.util.batch_rules import check_ppo_arithmetic
 from hpc_verl.verl_upstream import findings
 from hpc_verl.verl_upstream.config import find_verl
 from hpc_verl.verl_upstream.cpu import rules as cpu_rules
-from hpc_verl.verl_upstream.command import MODULE as VERL_MODULE
+from hpc_verl.verl_upstream.command import runs_verl
 from hpc_verl.verl_upstream.command import Allocation, VerlCommand, VerlNotInstalledWarning, build_verl_command
 from hpc_verl.verl_upstream.overrides import one_line
 
@@ -51,7 +51,7 @@ def starts_with_ray(job: Any) -> bool:
 
 def trainer_kind(job: Any) -> str:
     """``verl`` when the job runs upstream verl's main_ppo, else ``builtin``."""
-    return "verl" if getattr(job.trainer, "module", "") == VERL_MODULE else "builtin"
+    return "verl" if runs_verl(job) else "builtin"
 
 
 def allocation_of(profile: Any, nodes: int | None = None) -> Allocation:

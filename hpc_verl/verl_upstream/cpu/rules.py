@@ -108,9 +108,9 @@ DEFAULTS: tuple[tuple[str, str, str], ...] = (
 
 def applies(profile: Any, job: Any) -> bool:
     """Whether ``job`` runs upstream verl on a CPU profile (then everything here applies)."""
-    from hpc_verl.launch.spec.trainer_check import trainer_kind
+    from hpc_verl.verl_upstream.command import runs_verl
 
-    return getattr(profile, "accelerator", None) == "none" and trainer_kind(job) == "verl"
+    return getattr(profile, "accelerator", None) == "none" and runs_verl(job)
 
 
 def _user_values(user_overrides: Sequence[str]) -> dict[str, str | None]:
