@@ -227,14 +227,15 @@ def test_masked_whiten_zero_mean_unit_var():
     assert abs(kept.mean()) < 1e-6 and abs(kept.std(ddof=1) - 1) < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
 def test_parts_over_the_global_denominator_add_up_to_the_whole(mode):
     """What makes DP=W (and micro-batching) equal one rank: each part's loss is its sum over the
     mini-batch's global token/sequence count, so the parts add up to the whole batch's loss."""
     g = torch.Generator().manual_seed(3)
     loss = torch.randn(10, 6, generator=g)
     mask = (torch.rand(10, 6, generator=g) > 0.3).float()
-    mask[4] = 0  # a response with no tokens counts in no denominator
+    mask[4] = 0  # a response with no tokens: no token count, but one of the sequences (as in verl)
     whole = A.agg_loss(loss, mask, mode)
     denom = A.loss_denominator(mask, mode)
     for cuts in ([0, 10], [0, 5, 10], [0, 1, 4, 7, 10]):

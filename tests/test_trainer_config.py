@@ -81,6 +81,9 @@ def test_validate_for_run_catches_inconsistent_settings(tmp_path):
     with pytest.raises(ConfigError, match="grpo needs actor_rollout_ref.rollout.n >= 2"):
         validate_for_run(load_config(None, base + ["algorithm.adv_estimator=grpo", "data.train_batch_size=8",
                                                    "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
+    with pytest.raises(ConfigError, match="rloo needs actor_rollout_ref.rollout.n >= 2"):
+        validate_for_run(load_config(None, base + ["algorithm.adv_estimator=rloo", "data.train_batch_size=8",
+                                                   "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
     with pytest.raises(ConfigError, match="actor_rollout_ref.model.path is not set"):
         validate_for_run(load_config(None, ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
     with pytest.raises(ConfigError, match="not divisible by 16 GPUs"):
@@ -127,3 +130,21 @@ def test_cli_train_unknown_key_one_line(cli):
     assert len(lines) == 1 and "did you mean 'data.train_batch_size'" in lines[0], res.stderr
     res = cli("train", "--print-config", "data.train_batch_size=4")
     assert res.returncode == 0 and "train_batch_size: 4" in res.stdout
+
+
+def test_verl_values_of_the_loss_and_schedule_keys_load():
+    """verl 0.9.1's names (their maths: tests/test_verl_parity.py); a critic is GAE's only."""
+    cfg = load_config(None, ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+                             "actor_rollout_ref.actor.loss_scale_factor=128", "actor_rollout_ref.actor.kl_loss_type=k3+",
+                             "algorithm.kl_penalty=k2", "algorithm.adv_estimator=reinforce_plus_plus",
+                             "critic.optim.warmup_style=cosine", "critic.loss_agg_mode=token-sum"])
+    assert cfg.critic.optim.lr_scheduler_type == "cosine" and cfg.critic.loss_scale_factor == 128
+    assert cfg.critic.enable is False and cfg.critic.shuffle is False
+    for bad, needle in (("critic.loss_agg_mode=token_mean", "did you mean 'token-mean'"),
+                        ("algorithm.kl_penalty=full", "not one of"),
+                        ("actor_rollout_ref.actor.optim.lr_scheduler_type=wsd", "not one of constant, cosine"),
+                        ("actor_rollout_ref.actor.loss_scale_factor=0", "must be > 0")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, [bad])
+    with pytest.raises(ConfigError, match="critic for GAE only"):
+        load_config(None, ["algorithm.adv_estimator=rloo", "critic.enable=true"])

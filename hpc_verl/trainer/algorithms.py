@@ -1,20 +1,25 @@
 """PPO/GRPO maths on padded token tensors (batch, response_length) with a 0/1 mask.
 
 Everything here is pure torch on tensors, no model or Ray, so it is unit-tested
-against independent numpy computations. Conventions follow verl: masks mark the
-response tokens that count; losses are aggregated by ``loss_agg_mode``.
+against independent numpy computations and, value by value, against upstream verl
+0.9.1's own functions (``tests/test_verl_parity.py``). Conventions follow verl:
+masks mark the response tokens that count; losses are aggregated by
+``loss_agg_mode`` over a whole mini-batch, as verl's training engine does.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+import math
+from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    """Sum where ``mask`` is 1; a NaN or inf at a masked-out position cannot leak in."""
+    kept = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device)) * mask
+    return kept.sum() if dim is None else kept.sum(dim)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -42,35 +47,42 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     return out
 
 
-def loss_denominator(mask: torch.Tensor, mode: str = "token-mean") -> float:
-    """What ``agg_loss`` divides by over a whole mini-batch: its response tokens
-    (token-mean) or its sequences that have any (seq-mean-*)."""
+def loss_denominator(mask: torch.Tensor, mode: str = "token-mean",
+                     loss_scale_factor: float | None = None) -> float:
+    """What ``agg_loss`` divides a whole mini-batch's sum by, as verl's engine sets it: its
+    response tokens (token-mean), 1 (token-sum), or its sequences (seq-mean-*: every row,
+    an empty one too, as verl's ``global_batch_size`` = ppo_mini_batch_size x rollout.n),
+    times ``loss_scale_factor`` (default: the padded response length) for
+    seq-mean-token-sum-norm."""
     if mode == "token-mean":
         return max(float(mask.sum()), 1e-8)
-    return max(float((mask.sum(-1) > 0).float().sum()), 1.0)
+    if mode == "token-sum":
+        return 1.0
+    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        return max(float(mask.shape[0]), 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        scale = float(mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return max(float(mask.shape[0]), 1.0) * scale
+    raise ValueError(f"unknown loss_agg_mode {mode!r}")
 
 
 def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
-             denom: float | None = None) -> torch.Tensor:
-    """Reduce a (batch, T) loss: over all tokens, or per sequence then over sequences.
+             denom: float | None = None, loss_scale_factor: float | None = None) -> torch.Tensor:
+    """Reduce a (batch, T) loss: a sum over all tokens, or per sequence (token sum or
+    mean) then over sequences, divided by ``denom``.
 
     ``denom``: the mini-batch's ``loss_denominator``; given it, a micro-batch (or a
     data-parallel rank's share) contributes its sum over that global count, so the
-    contributions add up to exactly the mini-batch's loss whatever the split."""
-    if mode not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        raise ValueError(f"unknown loss_agg_mode {mode!r}")
-    if mode == "token-mean":
-        if denom is None:
-            return masked_mean(loss_mat, mask)
-        return masked_sum(loss_mat, mask) / denom
-    seq_has_tokens = (mask.sum(-1) > 0).float()
-    if mode == "seq-mean-token-sum":
-        per_seq = masked_sum(loss_mat, mask, dim=-1)
-    else:
-        per_seq = masked_mean(loss_mat, mask, dim=-1)
+    contributions add up to exactly the mini-batch's loss whatever the split. Without
+    it, ``loss_mat`` is taken to be the whole mini-batch."""
     if denom is None:
-        denom = seq_has_tokens.sum().clamp(min=1)
-    return (per_seq * seq_has_tokens).sum() / denom
+        denom = loss_denominator(mask, mode, loss_scale_factor)
+    if mode in ("token-mean", "token-sum"):
+        return masked_sum(loss_mat, mask) / denom
+    per_seq = masked_sum(loss_mat, mask, dim=-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1e-8)
+    return per_seq.sum() / denom
 
 
 def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -79,7 +91,8 @@ def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.T
 
     A masked position neither contributes a TD term nor breaks the chain: the
     value and running advantage of the next kept token are carried across it.
-    Returns (advantages, returns); returns = raw advantages + values.
+    Returns (advantages, returns); returns = raw advantages + values. Both are 0 at
+    masked-out positions (verl leaves the carried-over values there; no loss reads them).
     """
     mask = mask.to(values.dtype)
     batch, length = values.shape
@@ -99,17 +112,22 @@ def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.T
     return adv, returns
 
 
+def _groups(group_ids: Sequence[Hashable]) -> list[list[int]]:
+    """Row indices of each prompt group, in order of first appearance."""
+    groups: dict[Hashable, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        groups[g].append(i)
+    return list(groups.values())
+
+
 def compute_grpo_advantages(scores: torch.Tensor, group_ids: Sequence[Hashable], mask: torch.Tensor,
                             norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: each response's score minus its prompt group's mean (over its std), on every token.
 
     A group of one has mean 0 and std 1 (its score passes through), as in verl.
     """
-    groups: dict[Hashable, list[int]] = defaultdict(list)
-    for i, g in enumerate(group_ids):
-        groups[g].append(i)
     adv = torch.zeros_like(scores)
-    for idx in groups.values():
+    for idx in _groups(group_ids):
         s = scores[idx]
         if len(idx) == 1:
             mean, std = torch.zeros((), dtype=s.dtype), torch.ones((), dtype=s.dtype)
@@ -117,6 +135,65 @@ def compute_grpo_advantages(scores: torch.Tensor, group_ids: Sequence[Hashable],
             mean, std = s.mean(), s.std(unbiased=True)
         adv[idx] = (s - mean) / (std + eps) if norm_by_std else s - mean
     return adv.unsqueeze(-1) * mask
+
+
+def compute_rloo_advantages(scores: torch.Tensor, group_ids: Sequence[Hashable], mask: torch.Tensor
+                            ) -> torch.Tensor:
+    """RLOO: each score minus the mean of the other responses to its prompt, n/(n-1)(s - mean);
+    a group of one keeps its score."""
+    adv = scores.clone()
+    for idx in _groups(group_ids):
+        n = len(idx)
+        if n > 1:
+            s = scores[idx]
+            adv[idx] = s * n / (n - 1) - s.mean() * n / (n - 1)
+    return adv.unsqueeze(-1) * mask
+
+
+def compute_reinforce_pp_baseline_advantages(scores: torch.Tensor, group_ids: Sequence[Hashable],
+                                             mask: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ with a baseline: score minus its group's mean (0 for a group of one) on every
+    token, then whitened over the batch's response tokens."""
+    centred = scores.clone()
+    for idx in _groups(group_ids):
+        if len(idx) > 1:
+            centred[idx] = scores[idx] - scores[idx].mean()
+    adv = centred.unsqueeze(-1) * mask
+    return masked_whiten(adv, mask) * mask
+
+
+def compute_reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted return-to-go per token (masked positions carry it across),
+    whitened over the batch's response tokens; returns (advantages, returns)."""
+    mask = mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        m = mask[:, t]
+        nxt = token_rewards[:, t] + gamma * running
+        returns[:, t] = nxt * m
+        running = nxt * m + running * (1 - m)
+    return masked_whiten(returns, mask) * mask, returns
+
+
+OUTCOME_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def outcome_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.Tensor,
+                       group_ids: Sequence[Hashable], gamma: float = 1.0, norm_adv_by_std_in_grpo: bool = True
+                       ) -> torch.Tensor:
+    """Advantages of a critic-free estimator (verl's ``algorithm.adv_estimator`` names)."""
+    if estimator == "reinforce_plus_plus":
+        return compute_reinforce_pp_advantages(token_rewards, mask, gamma)[0]
+    scores = masked_sum(token_rewards, mask, dim=-1)
+    if estimator == "grpo":
+        return compute_grpo_advantages(scores, group_ids, mask, norm_adv_by_std_in_grpo)
+    if estimator == "rloo":
+        return compute_rloo_advantages(scores, group_ids, mask)
+    if estimator == "reinforce_plus_plus_baseline":
+        return compute_reinforce_pp_baseline_advantages(scores, group_ids, mask)
+    raise ValueError(f"unknown outcome advantage estimator {estimator!r}")
 
 
 @dataclass
@@ -130,7 +207,8 @@ class PolicyLossOut:
 def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                 clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean",
-                denom: float | None = None, token_denom: float | None = None) -> PolicyLossOut:
+                denom: float | None = None, token_denom: float | None = None,
+                loss_scale_factor: float | None = None) -> PolicyLossOut:
     """PPO clipped surrogate with dual-clip for negative advantages.
 
     loss_t = max(-A r, -A clip(r, 1-low, 1+high)); where A < 0 it is further capped
@@ -139,8 +217,8 @@ def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: 
     ``denom``/``token_denom``: the mini-batch's loss and token denominators (see
     ``agg_loss``): the loss and the token statistics become this part's share.
     """
-    neg_kl = log_prob - old_log_prob
-    ratio = torch.exp(neg_kl.clamp(-20.0, 20.0))
+    neg_kl = (log_prob - old_log_prob).clamp(-20.0, 20.0)   # the clamped log-ratio feeds ppo_kl too
+    ratio = torch.exp(neg_kl)
 
     def token_mean(x: torch.Tensor) -> torch.Tensor:
         return masked_mean(x, mask) if token_denom is None else masked_sum(x, mask) / token_denom
@@ -158,17 +236,19 @@ def policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: 
     else:
         clipfrac_lower = torch.zeros(())
         final = clipped
-    return PolicyLossOut(agg_loss(final, mask, loss_agg_mode, denom), clipfrac, clipfrac_lower, approx_kl)
+    return PolicyLossOut(agg_loss(final, mask, loss_agg_mode, denom, loss_scale_factor), clipfrac, clipfrac_lower,
+                         approx_kl)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                cliprange_value: float, loss_agg_mode: str = "token-mean", denom: float | None = None,
-               token_denom: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               token_denom: float | None = None, loss_scale_factor: float | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss 0.5*max((v-R)^2, (clip(v, v_old±c)-R)^2); returns (loss, clipfrac)."""
-    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     l1 = (values - returns) ** 2
     l2 = (clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(l1, l2), mask, loss_agg_mode, denom)
+    loss = 0.5 * agg_loss(torch.maximum(l1, l2), mask, loss_agg_mode, denom, loss_scale_factor)
     frac = (l2 > l1).float()
     return loss, (masked_mean(frac, mask) if token_denom is None else masked_sum(frac, mask) / token_denom)
 
@@ -185,19 +265,33 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     return torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "kl") -> torch.Tensor:
-    """Per-token KL estimate between the policy and the reference (verl's names)."""
+    """Per-token KL estimate between the policy and the reference (verl's names: kl = k1,
+    mse = k2 (half the squared log-ratio), low_var_kl = k3 (Schulman 2020, clamped), abs).
+
+    A ``+`` suffix (``k3+``, ``low_var_kl+``, ...) keeps the estimate's value but takes k2's
+    gradient (straight-through): k2's gradient is the unbiased one for the KL."""
+    straight_through = kind.endswith("+")
+    base = kind[:-1] if straight_through else kind
     diff = log_prob - ref_log_prob
-    if kind == "kl":
-        return diff
-    if kind == "abs":
-        return diff.abs()
-    if kind == "mse":
-        return 0.5 * diff ** 2
-    if kind == "low_var_kl":  # k3 estimator, Schulman 2020; non-negative, clamped for stability
+    if base in ("kl", "k1"):
+        value = diff
+    elif base == "abs":
+        value = diff.abs()
+    elif base in ("mse", "k2"):
+        value = 0.5 * diff.square()
+    elif base in ("low_var_kl", "k3"):   # non-negative; clamped for stability
         kl = (ref_log_prob - log_prob).clamp(-20.0, 20.0)
-        return (kl.exp() - kl - 1).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown kl penalty {kind!r}")
+        value = (kl.exp() - kl - 1).clamp(-10.0, 10.0)
+    else:
+        raise ValueError(f"unknown kl penalty {kind!r}")
+    if not straight_through:
+        return value
+    k2 = 0.5 * diff.square()
+    return value.detach() + (k2 - k2.detach())
 
 
 class FixedKLController:
@@ -264,3 +358,31 @@ def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.T
     rows = torch.nonzero(has).squeeze(-1)
     rewards[rows, last[rows]] = scores[rows]
     return rewards
+
+
+def lr_lambda(optim: Mapping, total_steps: int) -> Callable[[int], float]:
+    """The learning-rate multiplier per training step, as verl's FSDP engine builds it from the
+    role's ``optim`` keys: linear warm-up from 0 over ``lr_warmup_steps`` (<= 0: the ratio
+    ``lr_warmup_steps_ratio`` of ``total_steps``), then constant or a cosine down to
+    ``min_lr_ratio`` over ``num_cycles`` (``lr_scheduler_type``)."""
+    warmup = int(optim["lr_warmup_steps"])
+    if warmup <= 0:
+        warmup = int(optim["lr_warmup_steps_ratio"] * max(total_steps, 0))
+    kind = optim["lr_scheduler_type"]
+    if kind == "constant":
+        return lambda step: step / max(1, warmup) if step < warmup else 1.0
+    if kind != "cosine":
+        raise ValueError(f"unknown lr_scheduler_type {kind!r}")
+    floor = float(optim["min_lr_ratio"] or 0.0)
+    cycles = float(optim["num_cycles"])
+    shift = 0 if optim["zero_indexed_step"] else 1
+
+    def cosine(step: int) -> float:
+        step += shift
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        wave = 0.5 * (1.0 + math.cos(math.pi * cycles * 2.0 * progress))
+        return max(floor, floor + (1.0 - floor) * wave)
+
+    return cosine

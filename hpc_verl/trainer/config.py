@@ -66,7 +66,20 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "actor_rollout_ref.rollout.enable_sleep_mode": (bool,),
     "hpc_verl.collective_timeout_s": (int, float),
     "hpc_verl.start_timeout_s": (int, float),
+    "actor_rollout_ref.actor.loss_scale_factor": (int, float),
+    "critic.loss_scale_factor": (int, float),
+    "critic.loss_agg_mode": (str,),
+    "critic.shuffle": (bool,),
+    "actor_rollout_ref.actor.optim.warmup_style": (str,),
+    "critic.optim.warmup_style": (str,),
 }
+
+# verl 0.9.1's names (each means what it means in verl: tests/test_verl_parity.py)
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_ESTIMATORS = _KL + tuple(k + "+" for k in _KL)   # "+": the value of k, the gradient of k2
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+LR_SCHEDULERS = ("constant", "cosine")
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "data.truncation": ("error", "left", "right"),
@@ -75,11 +88,15 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "actor_rollout_ref.rollout.dtype": ("bfloat16", "float16", "float32"),
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2", "ddp"),
     "critic.strategy": ("fsdp", "fsdp2", "ddp"),
-    "actor_rollout_ref.actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
-    "actor_rollout_ref.actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
-    "algorithm.adv_estimator": ("gae", "grpo"),
-    "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
+    "actor_rollout_ref.actor.kl_loss_type": KL_ESTIMATORS,
+    "actor_rollout_ref.actor.loss_agg_mode": LOSS_AGG_MODES,
+    "critic.loss_agg_mode": LOSS_AGG_MODES,
+    "algorithm.adv_estimator": ADV_ESTIMATORS,
+    "algorithm.kl_penalty": KL_ESTIMATORS,
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": LR_SCHEDULERS,
+    "critic.optim.lr_scheduler_type": LR_SCHEDULERS,
+    "actor_rollout_ref.actor.optim.warmup_style": LR_SCHEDULERS,
+    "critic.optim.warmup_style": LR_SCHEDULERS,
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.device": ("cuda", "cpu"),
     "trainer.resume_mode": ("auto", "disable", "resume_path"),
@@ -104,6 +121,7 @@ _POSITIVE = {
     "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
     "hpc_verl.ray_num_cpus", "hpc_verl.torch_threads", "hpc_verl.collective_timeout_s",
     "hpc_verl.weight_sync_bucket_mb", "hpc_verl.start_timeout_s",
+    "actor_rollout_ref.actor.loss_scale_factor", "critic.loss_scale_factor",
 }
 _NON_NEGATIVE = {
     "trainer.n_gpus_per_node", "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_low",
@@ -111,9 +129,11 @@ _NON_NEGATIVE = {
     "actor_rollout_ref.actor.optim.lr", "critic.optim.lr", "actor_rollout_ref.actor.optim.weight_decay",
     "critic.optim.weight_decay", "critic.cliprange_value", "algorithm.kl_ctrl.kl_coef",
     "algorithm.kl_ctrl.target_kl", "actor_rollout_ref.actor.kl_loss_coef", "trainer.critic_warmup",
+    "actor_rollout_ref.actor.optim.num_cycles", "critic.optim.num_cycles",
 }
 _UNIT_INTERVAL = {"algorithm.gamma", "algorithm.lam", "actor_rollout_ref.rollout.top_p",
-                  "actor_rollout_ref.rollout.gpu_memory_utilization"}
+                  "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.actor.optim.min_lr_ratio",
+                  "critic.optim.min_lr_ratio"}
 
 
 class Section(dict):
@@ -373,6 +393,12 @@ def _fill_derived(cfg: dict) -> None:
         critic["ppo_mini_batch_size"] = actor["ppo_mini_batch_size"]
     if critic["ppo_epochs"] is None:
         critic["ppo_epochs"] = actor["ppo_epochs"]
+    for k in ("shuffle", "loss_agg_mode", "loss_scale_factor"):   # verl's critic.yaml takes the actor's
+        if critic[k] is None:
+            critic[k] = actor[k]
+    for optim in (actor["optim"], critic["optim"]):   # verl's deprecated name wins, as in verl
+        if optim["warmup_style"] is not None:
+            optim["lr_scheduler_type"] = optim["warmup_style"]
     if critic["enable"] is None:
         critic["enable"] = cfg["algorithm"]["adv_estimator"] == "gae"
     if critic["model"]["path"] is None:
@@ -445,9 +471,10 @@ def validate_for_run(cfg: Mapping) -> None:
                           "(make one with: hpc-verl preprocess gsm8k --input FILE --output DIR)")
     if cfg["trainer"]["resume_mode"] == "resume_path" and not cfg["trainer"]["resume_from_path"]:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path=DIR")
-    if cfg["algorithm"]["adv_estimator"] == "grpo" and cfg["actor_rollout_ref"]["rollout"]["n"] < 2:
-        raise ConfigError("algorithm.adv_estimator=grpo needs actor_rollout_ref.rollout.n >= 2 "
-                          "(advantages are normalised within each prompt's group)")
+    est = cfg["algorithm"]["adv_estimator"]
+    if est in ("grpo", "rloo") and cfg["actor_rollout_ref"]["rollout"]["n"] < 2:
+        raise ConfigError(f"algorithm.adv_estimator={est} needs actor_rollout_ref.rollout.n >= 2 "
+                          "(the baseline is each prompt's group of responses)")
     if cfg["algorithm"]["adv_estimator"] == "gae" and not cfg["critic"]["enable"]:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true or use "
                           "algorithm.adv_estimator=grpo")

@@ -58,8 +58,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "the reference is sharded (and offloaded) only when the actor uses strategy=fsdp"),
     Refusal("critic.fsdp.param_offload", lambda v, c: bool(v) and c["critic"]["strategy"] == "ddp",
             "parameter offload is FSDP2's; with critic.strategy=ddp use strategy=fsdp, or leave it false"),
-    Refusal("critic.enable", lambda v, c: v is True and c["algorithm"]["adv_estimator"] == "grpo",
-            "the built-in trainer uses a critic for GAE only (algorithm.adv_estimator=gae); GRPO has none"),
+    Refusal("critic.enable", lambda v, c: v is True and c["algorithm"]["adv_estimator"] != "gae",
+            "the built-in trainer uses a critic for GAE only (algorithm.adv_estimator=gae); GRPO, RLOO and "
+            "REINFORCE++ have none"),
     Refusal("hpc_verl.one_step_off_policy", lambda v, c: bool(v) and _rollout_shares_actor(c),
             "the rollout of step k+1 can only run while step k trains when the rollout has its own devices "
             "(processes); give it some with hpc_verl.device_mapping, e.g. {actor: [0,1], rollout: [2,3]}"),

@@ -116,17 +116,13 @@ class _Trainable(_SequenceParallel):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim_cfg["lr"],
                                            betas=tuple(optim_cfg["betas"]), weight_decay=optim_cfg["weight_decay"],
                                            fused=fused or None)
-        warmup = optim_cfg["lr_warmup_steps"]
-        if warmup is None or warmup < 0:
-            warmup = int(optim_cfg["lr_warmup_steps_ratio"] * max(total_steps, 0))
-        warmup = max(int(warmup), 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, A.lr_lambda(optim_cfg, total_steps))
 
     # ---- the shared update loop --------------------------------------------------------
     def _updates(self, batch: dict, mini_rows: int, micro: int | None, epochs: int, shuffle: bool, gen: Any,
-                 grad_clip: float, agg_mode: str, loss_fn: Callable[[dict, float, float], tuple[Any, list[Any]]],
-                 names: list[str], prefix: str) -> dict[str, float]:
+                 grad_clip: float, agg_mode: str, loss_scale_factor: float | None,
+                 loss_fn: Callable[[dict, float, float], tuple[Any, list[Any]]], names: list[str],
+                 prefix: str) -> dict[str, float]:
         """PPO epochs over global mini-batches (one optimiser step each); this rank's slice of
         each in micro-batches with gradient accumulation; clipping on the global norm.
         ``loss_fn(micro_batch, denom, token_denom) -> (loss, [stats...])`` returns this
@@ -152,7 +148,7 @@ class _Trainable(_SequenceParallel):
             for start in range(0, n_rows, mini_rows):
                 idx = order[start:start + mini_rows]
                 mask = batch["response_mask"][idx]
-                denom = A.loss_denominator(mask, agg_mode)
+                denom = A.loss_denominator(mask, agg_mode, loss_scale_factor)
                 token_denom = A.loss_denominator(mask, "token-mean")
                 local = idx[par.dp_rank * per_rank:(par.dp_rank + 1) * per_rank]
                 parts = list(chunks(len(local), micro))
@@ -288,8 +284,8 @@ class ActorWorker(_Trainable):
 
         names = ["pg_loss", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "kl_loss"]
         out = self._updates(batch, a["ppo_mini_batch_size"] * self.n, a["ppo_micro_batch_size_per_gpu"],
-                            a["ppo_epochs"], a["shuffle"], gen, a["grad_clip"], a["loss_agg_mode"], loss_fn, names,
-                            "actor")
+                            a["ppo_epochs"], a["shuffle"], gen, a["grad_clip"], a["loss_agg_mode"],
+                            a["loss_scale_factor"], loss_fn, names, "actor")
         if not use_kl_loss:
             out.pop("actor/kl_loss")
         self.version += 1
@@ -329,6 +325,7 @@ class CriticWorker(_Trainable):
         self._init_sp(module, self.ccfg["fsdp"]["ulysses_sequence_parallel_size"])
         self._init_training(module, self.ccfg["strategy"], self.ccfg["fsdp"], self.ccfg["optim"], total_steps)
         self.n = int(cfg["actor_rollout_ref"]["rollout"]["n"])
+        self.seed = int(cfg["trainer"]["seed"]) + 211
 
     def _values(self, batch: dict) -> Any:
         dev = self.device
@@ -346,9 +343,13 @@ class CriticWorker(_Trainable):
         values, rows = self._forward_rows(batch, self.ccfg["ppo_micro_batch_size_per_gpu"], self._values, self.model)
         return {"values": values}, rows
 
-    def update_critic(self, batch: dict) -> dict:
+    def update_critic(self, batch: dict, step: int = 0) -> dict:
+        """PPO epochs of the value loss; ``critic.shuffle`` reorders the rows each epoch (the same
+        order on every rank, from the seed and ``step``)."""
         c = self.ccfg
         dev = self.device
+        torch = torch_mod()
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
 
         def loss_fn(m: dict, denom: float, token_denom: float) -> tuple[Any, list[Any]]:
             mask = m["response_mask"].to(dev)
@@ -357,8 +358,8 @@ class CriticWorker(_Trainable):
             return loss, [loss.item(), frac.item()]
 
         return self._updates(batch, c["ppo_mini_batch_size"] * self.n, c["ppo_micro_batch_size_per_gpu"],
-                             c["ppo_epochs"], False, None, c["grad_clip"], c["loss_agg_mode"], loss_fn,
-                             ["vf_loss", "vf_clipfrac"], "critic")
+                             c["ppo_epochs"], c["shuffle"], gen, c["grad_clip"], c["loss_agg_mode"],
+                             c["loss_scale_factor"], loss_fn, ["vf_loss", "vf_clipfrac"], "critic")
 
 
 class RefWorker(_SequenceParallel):
