@@ -52,7 +52,7 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
         """Where a light routed node lives: the role's group's rank 0 (one process fewer to start)."""
         return group(role) if cfg["hpc_verl"]["light_nodes_in_rank0"] else None
 
-    grpo = cfg["algorithm"]["adv_estimator"] == "grpo"
+    grpo = cfg["algorithm"]["adv_estimator"] != "gae"   # a critic-free estimator: GRPO, RLOO, REINFORCE++
     graph = DataflowGraph(name)
     with graph:
         # a GRPO group's n samples stay on one replica
@@ -94,7 +94,7 @@ def _sp(cfg: Mapping, role: str) -> int:
 
 
 def adv_node_name(cfg: Mapping) -> str:
-    return "advantage" if cfg["algorithm"]["adv_estimator"] == "grpo" else "critic"
+    return "critic" if cfg["algorithm"]["adv_estimator"] == "gae" else "advantage"
 
 
 def synthetic_cluster(cfg: Mapping) -> list[Any]:
@@ -147,9 +147,9 @@ class DataflowRunner:
         self._run_dir: Path | None = None
         self._connecting: threading.Event | None = None   # set once begin()'s thread has connected
         self._connect_error: BaseException | None = None
-        self._release = threading.Event()   # lets the thread that started a private Ray end
         self._abort = threading.Event()     # shutdown() before Ray was ready: stop waiting for it
         self._joined_here = False
+        self._head: Any = None   # trainer.privateray.PrivateRay: the head process of a private Ray
 
     def begin(self, cfg: Mapping) -> None:
         """Start (or join) Ray and spawn the graph's processes in a thread now: they come up
@@ -174,11 +174,6 @@ class DataflowRunner:
                 self._connect_error = exc
             finally:
                 up.set()
-            # Ray starts a private cluster's processes with PR_SET_PDEATHSIG, which fires when the
-            # *thread* that started them ends: this one lives until they are stopped (shutdown)
-            if self._started_ray:
-                self._release.wait()
-        self._release.clear()
         self._connecting = up
         threading.Thread(target=connect, name="hpc-verl-ray-up", daemon=True).start()
 
@@ -215,19 +210,36 @@ class DataflowRunner:
                                      f"({', '.join(differ)}) than its job's ray dir; was it written by another job?")
             os.environ.update(ready)   # RAY_ADDRESS (and the same token variables), as the script's env.sh has them
             address = ready["RAY_ADDRESS"]
+        env = rayready.worker_env()
+        if not address:
+            self._start_private_ray(cfg, env)
+            if self._head is None:   # shut down while it came up: connect to nothing
+                return
+            address = self._head.address
         import ray
 
         self._joined_here = True
-        env = rayready.worker_env()
+        if self._head is not None:
+            ray.init(address=address, namespace="hpc_verl", log_to_driver=True, logging_level=logging.WARNING)
+            log.info("private Ray in %s (removed at the end; its logs go to %s)", self._ray_temp,
+                     self._run_dir / "logs" / "ray")
+            return
         if address:   # our job's raylets have env already; another cluster's workers get it per job
             own = os.environ.get(rayready.WORKER_ENV_MARK) == "1"
             ray.init(address=address, namespace="hpc_verl", runtime_env=None if own else {"env_vars": env},
                      log_to_driver=True)
             return
-        # a private single-node Ray on random ports; never joins someone else's cluster
+        raise AssertionError("unreachable: no address and no private Ray")
+
+    def _start_private_ray(self, cfg: Mapping, env: dict[str, str]) -> None:
+        """A private single-node Ray on random ports, never someone else's cluster: its head runs
+        in a process of its own that ends all of it when this driver dies (trainer.privateray)."""
         import tempfile
 
-        os.environ.update({**env, **rayready.RAYLET_ENV})
+        from hpc_verl.trainer import privateray
+
+        hv = cfg["hpc_verl"]
+        os.environ.update({**env, **rayready.RAYLET_ENV})   # (the head's raylet passes them to the ranks)
         cpus = hv["ray_num_cpus"] or max(os.cpu_count() or 1, _ray_cpus_needed(cfg))
         # short and unique: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
         root = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
@@ -236,10 +248,13 @@ class DataflowRunner:
         self._run_dir = Path(os.path.expanduser(hv["run_dir"]))
         self._started_ray = True
         _quiet_late_log_subscriber()
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, namespace="hpc_verl",
-                 log_to_driver=True, _temp_dir=self._ray_temp)
-        log.info("private Ray in %s (removed at the end; its logs go to %s)", self._ray_temp,
-                 self._run_dir / "logs" / "ray")
+        imported = "ray" in sys.modules
+        head = privateray.launch(self._ray_temp, int(cpus), str(self._run_dir / "logs" / "ray"))
+        import ray  # noqa: F401 - while the head starts (after the token variables are set: Ray reads them now)
+        if imported:
+            _refresh_ray_auth()
+        if privateray.wait_ready(head, float(hv["start_timeout_s"]), abort=self._abort):
+            self._head = head
 
     def start(self, cfg: Mapping, total_steps: int) -> None:
         self._await_connection()
@@ -307,7 +322,6 @@ class DataflowRunner:
                 finally:
                     self._started_ray = False
                     self._remove_private_ray()
-                    self._release.set()
 
     def _remove_private_ray(self) -> None:
         """Keep the private Ray's logs, stop what of it is left, remove its temp dir."""
@@ -316,6 +330,9 @@ class DataflowRunner:
         from hpc_verl.util import procs
 
         temp, self._ray_temp = self._ray_temp, None
+        head, self._head = self._head, None
+        if head is not None:
+            head.stop()   # its Ray: TERM, KILL what is left after a grace period
         if not temp:
             return
         logs = Path(temp) / "session_latest" / "logs"
@@ -331,6 +348,20 @@ class DataflowRunner:
                             exc.strerror or exc)
         procs.end_pids(procs.pids_using(temp), grace_s=5.0)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _refresh_ray_auth() -> None:
+    """Ray reads its token settings when it is imported; where this process imported it before
+    the private Ray's token was set, let it read them again."""
+    if "ray" not in sys.modules:
+        return
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (ImportError, AttributeError):
+        pass
 
 
 def _quiet_late_log_subscriber() -> None:

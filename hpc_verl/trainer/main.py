@@ -10,7 +10,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from hpc_verl.errors import report_errors
 
@@ -40,11 +40,17 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(to_yaml(cfg))
         return 0
+    # (--dry-run plans trainer.nnodes x n_gpus_per_node devices without running: it shows, not refuses)
+    ranks_line = check_cpu_ranks(cfg, refuse=not args.dry_run)
     if args.dry_run:
         from hpc_verl.trainer.graph import describe_placement
         print(describe_placement(cfg))
+        if ranks_line:
+            print(ranks_line)
         return 0
     if args.check:  # the full offline model check (config and tokenizer load), then the trainer's own
+        if ranks_line:
+            print(ranks_line)
         from hpc_verl.trainer.config import validate_for_run
         from hpc_verl.trainer.model import check_model
         from hpc_verl.trainer.ppo import PPOTrainer
@@ -71,6 +77,27 @@ def run(args: argparse.Namespace) -> int:
         runner.shutdown()
         raise
     return trainer.fit()
+
+
+def check_cpu_ranks(cfg: Any, refuse: bool = True) -> str | None:
+    """With trainer.device=cpu: the ranks per node against this node's usable CPUs, as one line
+    (None on GPUs). More ranks than CPUs is refused, or with hpc_verl.allow_cpu_oversubscribe=true
+    warned about once."""
+    from hpc_verl.errors import ConfigError
+    from hpc_verl.util import cpus as cpu_util
+
+    t = cfg["trainer"]
+    if t["device"] != "cpu":
+        return None
+    ranks = int(t["n_gpus_per_node"])
+    usable = cpu_util.usable_cpus()
+    problem = cpu_util.rank_problem(ranks, usable, "trainer.n_gpus_per_node")
+    if problem and refuse:
+        if not cfg["hpc_verl"].get("allow_cpu_oversubscribe"):
+            raise ConfigError(problem)
+        print(f"hpc-verl: warning: {ranks} CPU ranks per node on {usable}: oversubscribed "
+              f"({cpu_util.OVERSUBSCRIBE_KEY}=true); each rank gets less than a CPU", file=sys.stderr)
+    return cpu_util.rank_line(ranks, usable)
 
 
 def _setup_logging() -> None:

@@ -6,7 +6,7 @@ Item flow of one step (one item = one batch of prompts x rollout.n)::
           │  └──────► ref_logprob ───┤       SPMD over the reference ranks (KL only)
           │                          ▼
           ├───────────────► critic (GAE: values, advantages, value update; SPMD)
-          │                 or advantage (GRPO: group-normalised advantages)
+          │                 or advantage (GRPO, RLOO, REINFORCE++: no critic)
           ▼                          │
     actor_update ◄───────────────────┘  old log-probs, PPO update (SPMD, DDP/FSDP2), then
           ╰──── policy (control edge, strong consistency, TENSORS) ───► actor_rollout
@@ -71,6 +71,7 @@ class RolloutNode:
         self.cfg = cfg
         self.need_log_prob = bool(cfg["algorithm"]["use_kl_in_reward"])
         self.sampler_log_prob_ok = bool(cfg["hpc_verl"]["old_log_prob_from_rollout"])
+        self.sync_s = 0.0
         if getattr(self.worker, "model", None) is None:   # vLLM: no model here to recompute with
             if self.need_log_prob and not getattr(self.worker, "log_probs_exact", False):
                 from hpc_verl.errors import ConfigError
@@ -98,6 +99,7 @@ class RolloutNode:
         merged["replicas"] = [{"replica": ctx.index, "rows": rows, "gen_time_s": out["gen_time_s"][0],
                                "tokens": out["n_response_tokens"][0]}]
         merged["counts"] = {"gen_tokens": out["n_response_tokens"], "fwd_rows": [0]}
+        merged["sync_time_s"] = [self.sync_s]   # installing the weights this rollout used (verl: update_weights)
         if self.need_log_prob and not (self.sampler_log_prob_ok and "rollout_log_prob" in merged):
             # KL-in-reward needs the sampling policy's log-probs before the actor runs
             import torch
@@ -110,7 +112,11 @@ class RolloutNode:
         return merged
 
     def load_tensors(self, data_type: str, named: Any, version: int) -> int:
-        return self.worker.load_tensors(named, version)
+        t0 = time.perf_counter()
+        try:
+            return self.worker.load_tensors(named, version)
+        finally:
+            self.sync_s = time.perf_counter() - t0
 
     def tensor_dtype(self, data_type: str) -> str:
         return self.worker.tensor_dtype()
@@ -206,7 +212,8 @@ class _AdvantageMixin:
 
 
 class AdvantageNode(_AdvantageMixin):
-    """GRPO: advantages from each prompt group's scores (no critic)."""
+    """A critic-free estimator (GRPO, RLOO, REINFORCE++): advantages from the token rewards and,
+    for the group estimators, each prompt group's scores."""
 
     def __init__(self, cfg: dict) -> None:
         self._init_kl(cfg)
@@ -217,10 +224,9 @@ class AdvantageNode(_AdvantageMixin):
         scores = joined["reward_score"]["scores"]
         ref = joined.get("ref_logprob")
         rewards, metrics = self._token_rewards(batch, scores, ref)
-        mask = batch["response_mask"]
-        seq_reward = (rewards * mask).sum(-1)
-        adv = A.compute_grpo_advantages(seq_reward, batch["uid"], mask,
-                                        self.cfg["algorithm"]["norm_adv_by_std_in_grpo"])
+        algo = self.cfg["algorithm"]
+        adv = A.outcome_advantages(algo["adv_estimator"], rewards, batch["response_mask"], batch["uid"],
+                                   gamma=algo["gamma"], norm_adv_by_std_in_grpo=algo["norm_adv_by_std_in_grpo"])
         return self._passed_on({"advantages": adv, "scores": scores, "metrics": metrics}, ref, {})
 
     def state_dict(self) -> dict:
@@ -253,7 +259,7 @@ class CriticNode(_AdvantageMixin, _Ulysses):
         algo = self.cfg["algorithm"]
         adv, returns = A.compute_gae(rewards, batch["values"], batch["response_mask"], algo["gamma"], algo["lam"])
         batch["advantages"], batch["returns"] = adv, returns
-        update = self.worker.update_critic(batch)
+        update = self.worker.update_critic(batch, step=int(batch.get("step", 0)))
         counts = update.pop("counts")
         counts["fwd_rows"] += batch["responses"].shape[0]   # the values pass, over all ranks
         metrics.update(update)
@@ -346,6 +352,7 @@ class ActorNode(_Ulysses):
             "n_total_tokens": int(batch["attention_mask"].sum()),   # prompt + response (verl's global_token_num)
             "timing_s/gen": float(max(batch.get("gen_time_s", [0.0]))),
             "timing_s/old_log_prob": t_old, "timing_s/update_actor": t_update,   # (this rank's, as verl)
+            "timing_s/update_weights": float(max(batch.get("sync_time_s", [0.0]))),   # (the version it used)
             "rollout/replicas": len(batch.get("replicas", [])),
             "perf/fwd_rows": counts.get("fwd_rows", 0), "perf/bwd_rows": counts.get("bwd_rows", 0),
             "perf/optim_steps": counts.get("optim_steps", 0), "perf/gen_tokens": counts.get("gen_tokens", 0),

@@ -243,3 +243,42 @@ def pids_using(path: str) -> list[int]:
                 out.append(int(entry))
                 break
     return out
+
+
+def in_session(sid: int) -> list[int]:
+    """Live processes (not this one) of session ``sid``: what a session leader's tree was, even
+    for those whose parents are gone (a process leaves its session only by ``setsid``)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                rest = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if rest[0] not in ("Z", "X") and int(rest[3]) == sid:
+            out.append(int(entry))
+    return out
+
+
+def kill_everything(sid: int, paths: tuple[str, ...] = (), bound_s: float = KILL_WAIT_S) -> list[int]:
+    """SIGKILL, until none is left (at most ``bound_s``): every process of session ``sid`` and
+    every descendant of this process (a subreaper's orphans), then whatever names one of
+    ``paths`` (see :func:`pids_using`) with its descendants. Returns the pids killed."""
+    killed: list[int] = []
+    deadline = time.monotonic() + bound_s
+    while True:
+        found = set(in_session(sid)) | set(descendants(os.getpid()))
+        if not found:   # (the path scan reads every fd of every process: only once the cheap one is empty)
+            for path in paths:
+                for pid in pids_using(path):
+                    found |= {pid, *descendants(pid)}
+        found.discard(os.getpid())
+        found = {p for p in found if alive(p)}
+        if not found or time.monotonic() > deadline:
+            return killed
+        _send(sorted(found), signal.SIGKILL)
+        killed += [p for p in sorted(found) if p not in killed]
+        reap()
+        time.sleep(0.02)

@@ -1,0 +1,81 @@
+"""How many CPUs this process may use, and whether CPU ranks fit on them.
+
+The one place that answers it (the trainer, ``plan`` and ``doctor`` ask here): the smallest of
+the CPUs this process may run on (``sched_getaffinity``), the cgroup v2 CPU quota
+(``cpu.max``, rounded up) and, inside a SLURM job, ``SLURM_CPUS_PER_TASK`` and
+``SLURM_CPUS_ON_NODE``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+OVERSUBSCRIBE_KEY = "hpc_verl.allow_cpu_oversubscribe"
+
+
+@dataclass(frozen=True)
+class UsableCpus:
+    count: int
+    source: str    # what set the count: "CPU affinity", "cgroup cpu.max quota", "SLURM_CPUS_PER_TASK", ...
+
+    def __str__(self) -> str:
+        return f"{self.count} usable CPU(s) ({self.source})"
+
+
+def _cgroup_quota(root: Path) -> int | None:
+    """The cgroup v2 CPU quota of this process, rounded up (None: no quota, or not cgroup v2)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    rel = next((ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")), None)
+    if rel is None:
+        return None
+    best = None
+    d = root / rel.lstrip("/")
+    while True:   # the tightest quota on the way up to the root
+        try:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+            if quota != "max" and int(period) > 0:
+                n = max(1, math.ceil(int(quota) / int(period)))
+                best = n if best is None else min(best, n)
+        except (OSError, ValueError):
+            pass
+        if d == root or root not in d.parents:
+            return best
+        d = d.parent
+
+
+def usable_cpus(env: Mapping[str, str] | None = None, cgroup_root: str = "/sys/fs/cgroup") -> UsableCpus:
+    """The CPUs this process may use (see the module doc); the smallest limit wins."""
+    env = os.environ if env is None else env
+    try:
+        found = [(len(os.sched_getaffinity(0)), "CPU affinity")]
+    except (AttributeError, OSError):
+        found = [(os.cpu_count() or 1, "os.cpu_count")]
+    quota = _cgroup_quota(Path(cgroup_root))
+    if quota is not None:
+        found.append((quota, "cgroup cpu.max quota"))
+    for var in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+        value = (env.get(var) or "").strip()
+        if value.isdigit() and int(value) > 0:
+            found.append((int(value), var))
+    count, source = min(found, key=lambda f: f[0])
+    return UsableCpus(count, source)
+
+
+def rank_problem(ranks: int, cpus: UsableCpus, ranks_key: str, where: str = "this node") -> str | None:
+    """The one line that refuses ``ranks`` CPU ranks per node on ``cpus`` (None: they fit)."""
+    if ranks <= cpus.count:
+        return None
+    return (f"{ranks_key}={ranks} asks for {ranks} CPU ranks per node, but {where} has {cpus}; set "
+            f"{ranks_key} to at most {cpus.count}, or {OVERSUBSCRIBE_KEY}=true to run them anyway (slower)")
+
+
+def rank_line(ranks: int, cpus: UsableCpus) -> str:
+    """What ``--dry-run`` and ``--check`` print: ranks against CPUs."""
+    verdict = "fits" if ranks <= cpus.count else "oversubscribed"
+    return f"CPU ranks per node: {ranks} on {cpus} ({verdict})"

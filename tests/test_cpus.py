@@ -1,0 +1,79 @@
+"""Usable CPUs (hpc_verl.util.cpus) and the trainer's check of CPU ranks against them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_verl.util import cpus
+from trainer_fixtures import digits_data, tiny_model  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cgroup(tmp_path: Path, quota: str) -> Path:
+    rel = Path("/proc/self/cgroup").read_text().splitlines()
+    line = next((ln for ln in rel if ln.startswith("0::")), None)
+    if line is None:
+        pytest.skip("no cgroup v2 entry in /proc/self/cgroup")
+    d = tmp_path / line.split(":", 2)[2].lstrip("/")
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "cpu.max").write_text(quota + "\n")
+    return tmp_path
+
+
+def test_the_smallest_limit_wins(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    base = cpus.usable_cpus({}, cgroup_root=str(tmp_path / "none"))
+    assert (base.count, base.source) == (affinity, "CPU affinity")
+    got = cpus.usable_cpus({}, cgroup_root=str(_cgroup(tmp_path / "q", "150000 100000")))
+    assert (got.count, got.source) == ((2, "cgroup cpu.max quota") if affinity > 2 else (affinity, "CPU affinity"))
+    got = cpus.usable_cpus({}, cgroup_root=str(_cgroup(tmp_path / "half", "50000 100000")))
+    assert (got.count, got.source) == (1, "cgroup cpu.max quota")   # rounded up, never 0
+    assert cpus.usable_cpus({}, cgroup_root=str(_cgroup(tmp_path / "max", "max 100000"))).count == affinity
+    got = cpus.usable_cpus({"SLURM_CPUS_ON_NODE": "4", "SLURM_CPUS_PER_TASK": "1"}, cgroup_root=str(tmp_path))
+    assert (got.count, got.source) == (1, "SLURM_CPUS_PER_TASK")
+
+
+def test_the_refusal_names_cpus_ranks_and_keys():
+    two = cpus.UsableCpus(2, "CPU affinity")
+    assert cpus.rank_problem(2, two, "trainer.n_gpus_per_node") is None
+    line = cpus.rank_problem(8, two, "trainer.n_gpus_per_node")
+    assert "\n" not in line and "8 CPU ranks" in line and "2 usable CPU(s) (CPU affinity)" in line
+    assert "trainer.n_gpus_per_node to at most 2" in line and "hpc_verl.allow_cpu_oversubscribe=true" in line
+
+
+def _train(work: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    e = dict(os.environ, PYTHONPATH=str(REPO), HPC_VERL_HOME=str(work / "home"), **(env or {}))
+    e.pop("RAY_ADDRESS", None)
+    return subprocess.run([sys.executable, "-m", "hpc_verl", "train", "--config",
+                           str(REPO / "examples" / "ppo_digits_tiny.yaml"), *args], cwd=work, env=e,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_too_many_cpu_ranks_are_refused_unless_opted_in(tmp_path, tiny_model, digits_data):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "models" / "tiny").symlink_to(tiny_model)
+    (tmp_path / "data" / "digits").symlink_to(digits_data)
+    slurm = {"SLURM_CPUS_PER_TASK": "2"}   # (2 usable CPUs wherever this runs: SLURM's variable is one limit)
+    res = _train(tmp_path, "trainer.n_gpus_per_node=8", "--check", env=slurm)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "trainer.n_gpus_per_node=8 asks for 8 CPU ranks per node" in lines[0]
+    assert "2 usable CPU(s)" in lines[0] and "hpc_verl.allow_cpu_oversubscribe=true" in lines[0]
+
+    res = _train(tmp_path, "trainer.n_gpus_per_node=8", "hpc_verl.allow_cpu_oversubscribe=true", "--check", env=slurm)
+    warned = [ln for ln in res.stderr.splitlines() if "warning" in ln]
+    assert res.returncode == 0, res.stderr
+    assert len(warned) == 1 and "oversubscribed" in warned[0], res.stderr
+    assert "CPU ranks per node: 8 on 2 usable CPU(s)" in res.stdout and "(oversubscribed)" in res.stdout
+
+    res = _train(tmp_path, "trainer.n_gpus_per_node=2", "--dry-run", env=slurm)
+    assert res.returncode == 0 and "CPU ranks per node: 2 on 2 usable CPU(s)" in res.stdout, res.stderr
+    assert "(fits)" in res.stdout
