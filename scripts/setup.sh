@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Set up everything hpc_verl and its tests need on a fresh Debian/Ubuntu machine:
-# system packages (SLURM, munge, podman, shellcheck), a virtualenv with the project
+# system packages (SLURM, munge, podman, Docker, shellcheck), a virtualenv with the project
 # and its extras. Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${HPC_VERL_VENV:-.venv}"
 APT_PKGS=(slurm-wlm munge shellcheck podman runc iproute2 procps)
+# Docker for the docker test bed (the tests start a daemon of their own); a machine with Docker's own
+# packages (docker-ce) keeps them: Debian's docker.io conflicts with those
+if ! command -v dockerd >/dev/null 2>&1; then APT_PKGS+=(docker.io); fi
 
 need_apt=()
 for pkg in "${APT_PKGS[@]}"; do

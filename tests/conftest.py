@@ -28,7 +28,7 @@ def cli():
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_bed import slurm_testbed  # noqa: E402,F401  (session fixture for -m slurm tests)
+from slurm_bed import docker_testbed, slurm_testbed  # noqa: E402,F401  (session fixtures for -m slurm tests)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,7 @@
 own (or reuses ``$HPC_VERL_TESTBED_DIR`` when a person started one with
 ``scripts/testbed.sh up``; that one is left running), writes this machine's
 test bed profiles, builds the podman image, and tears everything down at the end.
+``docker_testbed`` adds a Docker daemon of the test bed's own, for the tests that need one.
 GPUs are fake (empty device files behind SLURM's gres); everything else is real.
 """
 from __future__ import annotations
@@ -111,6 +112,59 @@ def slurm_testbed():
         shutil.rmtree(temp_root, ignore_errors=True)
 
 
+@dataclass
+class DockerBed:
+    """The test bed's own Docker daemon and the image in it (``testbed-docker-local`` uses them)."""
+
+    daemon: object  # hpc_verl.testbed.docker.DockerDaemon
+    image: str
+    profile: str = "testbed-docker-local"
+
+    @property
+    def host(self) -> str:
+        return self.daemon.host
+
+    def names(self) -> list[str]:
+        """Names of every container the daemon has (running or not)."""
+        out = self.daemon.docker("ps", "-a", "--format", "{{.Names}}")
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+
+@pytest.fixture(scope="session")
+def docker_testbed(slurm_testbed):
+    """A dockerd of the test bed's own (data, exec root, socket and pid file in a temp dir), the test bed's
+    image loaded into it and ``testbed-docker-local`` written beside the other profiles; stopped and
+    removed at the end (a system daemon is never touched)."""
+    import yaml
+
+    from hpc_verl.testbed.docker import DockerDaemon
+    from hpc_verl.testbed.image import docker_image
+    from hpc_verl.testbed.profiles import write_profiles
+
+    bed = slurm_testbed
+    if not (shutil.which("dockerd") or os.path.exists("/usr/sbin/dockerd")):
+        pytest.fail("dockerd missing: run 'bash scripts/setup.sh' (apt: docker.io)")
+    daemon = DockerDaemon(tempfile.mkdtemp(prefix="hpcvd", dir="/tmp"))
+    try:
+        daemon.start()
+        image = docker_image(daemon, sys.executable, podman_ref=bed.podman_image)
+        # the image runs and holds Ray's agents; reading them once also warms the fresh layer's files, so
+        # that a first job's dashboard agent does not miss the raylet's start bound on a loaded machine
+        warm = daemon.docker("run", "--rm", "--network", "host", "--env", f"PYTHONPATH={REPO}", image,
+                             sys.executable, "-c", "import ray.dashboard.agent, hpc_verl.bootstrap.node",
+                             timeout_s=300)
+        assert warm.returncode == 0, f"the docker image cannot import Ray and the project: {warm.stderr[-1500:]}"
+        prof_dir = bed.dir / "profiles"
+        ray = yaml.safe_load((prof_dir / "testbed-local.yaml").read_text())["ray"]
+        write_profiles(prof_dir, sys.executable, temp_root=bed.temp_root, image=image,
+                       readiness_timeout_s=ray["readiness_timeout_s"], port_base=ray["port_base"],
+                       docker_host=daemon.host)
+        yield DockerBed(daemon, image)
+    finally:
+        daemon.remove()
+
+
 # ----------------------------------------------------------------------------- leftovers
 def _listening_ports() -> set[int]:
     ports = set()
@@ -126,7 +180,7 @@ def _listening_ports() -> set[int]:
     return ports
 
 
-def leftovers(job_dir: str, job_id: int, wait_s: float = 30) -> list[str]:
+def leftovers(job_dir: str, job_id: int, wait_s: float = 30, docker_host: str | None = None) -> list[str]:
     """Ray processes, containers, listening ports or Ray temp dirs of this job still around (empty = clean).
 
     Polls up to ``wait_s``: SLURM finishes a job's steps shortly after it reports the state.
@@ -154,6 +208,10 @@ def leftovers(job_dir: str, job_id: int, wait_s: float = 30) -> list[str]:
             out = subprocess.run(["podman", "--runtime", "runc", "--cgroup-manager=cgroupfs", "ps", "-a",
                                   "--format", "{{.Names}}"], capture_output=True, text=True).stdout.split()
             found += [f"container {n}" for n in out if n.startswith(f"hpcv-{job_id}-")]
+        if docker_host:
+            out = subprocess.run(["docker", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True,
+                                 env={**os.environ, "DOCKER_HOST": docker_host}).stdout.split()
+            found += [f"docker container {n}" for n in out if n.startswith(f"hpcv-{job_id}-")]
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(1)

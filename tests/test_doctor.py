@@ -221,11 +221,59 @@ def test_runtime_present_missing_broken(tmp_path, monkeypatch):
     assert r.status == FAIL and "segfault" in r.detail
     r = d.check_runtime(ib_exp(runtime="singularity", image="x"), ctx)
     assert r.status == FAIL and "not on PATH" in r.detail
-    fake_runtime(bindir, "docker", 'if [ "$1" = info ]; then echo "Cannot connect to the Docker daemon" >&2; '
-                                   'exit 1; fi; echo "Docker version 28"')
-    r = d.check_runtime(ib_exp(runtime="docker", image="x"), ctx)
-    assert r.status == FAIL and "daemon" in r.detail
     assert d.check_runtime(ib_exp(), ctx).status == SKIP
+
+
+def _docker_socket(path: Path, mode: int, gid: int = 0) -> str:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
+    os.chown(path, 0, gid)
+    os.chmod(path, mode)
+    return f"unix://{path}"
+
+
+def test_docker_daemon_reachable_and_permitted(tmp_path, monkeypatch):
+    """docker-daemon: the daemon at the profile's (or the environment's) DOCKER_HOST answers and this
+    user may use its socket (root, the socket's group, or a rootless socket of their own); each
+    failure is one line with the fix."""
+    bindir = tmp_path / "bin"
+    log = tmp_path / "docker.log"
+    fake_runtime(bindir, "docker", f'echo "$DOCKER_HOST $*" >> {log}\n'
+                 'case $DOCKER_HOST in *down*) echo "Cannot connect to the Docker daemon at $DOCKER_HOST. '
+                 'Is the docker daemon running?" >&2; exit 1 ;; esac\n'
+                 'case $DOCKER_HOST in *rootless*) echo \'20.10.24 ["name=seccomp","name=rootless"]\'; exit 0 ;; esac\n'
+                 'echo \'20.10.24 ["name=seccomp,profile=default"]\'')
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    roots = healthy(tmp_path / "n")
+    host = _docker_socket(tmp_path / "d.sock", 0o660, gid=4242)
+    exp = ib_exp(runtime="docker", image="x", docker_host=host)
+    r = d.check_docker_daemon(exp, Context(roots=roots, uid=0))
+    assert r.status == OK and "20.10.24" in r.detail and "root daemon" in r.detail and "env.vars" in r.detail
+    assert log.read_text().startswith(host + " info")  # asked the profile's daemon, not the default
+    # a user outside the socket's group: refused before asking, the fix names the group and rootless
+    r = d.check_docker_daemon(exp, Context(roots=roots, uid=54321, groups={54321}))
+    assert r.status == FAIL and "may not use" in r.detail and "4242" in r.detail
+    assert "usermod -aG" in r.fix and "rootless" in r.fix
+    assert d.check_docker_daemon(exp, Context(roots=roots, uid=54321, groups={54321, 4242})).status == OK
+    # rootless: the user's own socket
+    own = _docker_socket(tmp_path / "rootless.sock", 0o600)
+    os.chown(tmp_path / "rootless.sock", 54321, 54321)
+    r = d.check_docker_daemon(ib_exp(runtime="docker", image="x", docker_host=own),
+                              Context(roots=roots, uid=54321, groups={54321}))
+    assert r.status == OK and "rootless daemon" in r.detail
+    # DOCKER_HOST from the environment when the profile has none; a missing socket; a daemon that is down
+    r = d.check_docker_daemon(ib_exp(runtime="docker", image="x"),
+                              Context(roots=roots, env={"DOCKER_HOST": f"unix://{tmp_path}/none.sock"}))
+    assert r.status == FAIL and "none.sock" in r.detail and "$DOCKER_HOST" in r.detail
+    assert "systemctl start docker" in r.fix
+    down = _docker_socket(tmp_path / "down.sock", 0o660)
+    r = d.check_docker_daemon(ib_exp(runtime="docker", image="x", docker_host=down), Context(roots=roots))
+    assert r.status == FAIL and "does not answer" in r.detail and "Cannot connect" in r.detail
+    assert len(r.detail.splitlines()) == len(r.fix.splitlines()) == 1
+    assert d.check_docker_daemon(ib_exp(runtime="podman", image="x"), Context(roots=roots)).status == SKIP
 
 
 def test_ib_inside_container(tmp_path):

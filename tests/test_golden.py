@@ -16,7 +16,8 @@ from hpc_verl.profiles import list_profiles
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden"
-SHIPPED = ["eth-l40s", "ib-a100", "local", "mi300x-rocm", "pyxis-h100", "roce-h100", "testbed", "testbed-podman"]
+SHIPPED = ["eth-l40s", "ib-a100", "local", "mi300x-rocm", "pyxis-h100", "roce-h100", "testbed", "testbed-docker",
+           "testbed-podman"]
 CASES = {name: (name, None, []) for name in SHIPPED}
 CASES["ib-a100-job"] = ("ib-a100", str(HERE / "data" / "job_example.yaml"), ["trainer.total_epochs=3"])
 

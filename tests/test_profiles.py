@@ -1,6 +1,7 @@
 """Profile schema and loader: search path, extends, overrides, provenance, one-line errors."""
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from hpc_verl.errors import HpcVerlError, ProfileError
 from hpc_verl.profiles import list_profiles, load_profile
 
 SHIPPED = ["eth-l40s", "ib-a100", "local", "mi300x-rocm", "pyxis-h100", "roce-h100", "testbed",
-           "testbed-podman"]
+           "testbed-docker", "testbed-podman"]
 
 
 @pytest.fixture
@@ -63,6 +64,26 @@ def test_shipped_profiles_have_their_hardware(sandbox):
     assert tb.container.global_flags == ["--runtime", "runc", "--cgroup-manager=cgroupfs"]
     assert "nofile=1024:1024" in tb.container.run_flags and tb.slurm.gpus_per_node == 4
     assert load_profile("local").scheduler == "local"
+    dk = load_profile("testbed-docker")
+    assert (dk.container.runtime, dk.container.global_flags, dk.container.run_flags) == ("docker", [], [])
+    assert dk.container.ulimit_values() == ["nofile=1024:1024"]  # memlock unlimited is refused here
+
+
+def test_container_ulimits_checked_and_refused_where_they_cannot_apply(sandbox):
+    ok = load_profile("ib-a100", ["container.ulimits.nofile=65536:65536", "container.ulimits.stack=-1"])
+    assert ok.container.ulimit_values() == ["memlock=-1:-1", "nofile=65536:65536", "stack=-1"]
+    bad = {
+        "container.ulimits.nofiles=1024": "container.ulimits.nofiles must be one of core, cpu",
+        "container.ulimits.nofile=1k": "container.ulimits.nofile must be 'SOFT' or 'SOFT:HARD'",
+        "container.ulimits.memlock=-1": "container.ulimits.memlock conflicts with container.memlock_unlimited",
+    }
+    for override, want in bad.items():
+        with pytest.raises(ProfileError, match=re.escape(want)):
+            load_profile("ib-a100", [override])
+    with pytest.raises(ProfileError, match="container.ulimits cannot be set by runtime 'apptainer'"):
+        load_profile("ib-a100", ["container.runtime=apptainer", "container.ulimits.nofile=1024"])
+    with pytest.raises(ProfileError, match="container.ulimits cannot be set by runtime 'enroot-pyxis'"):
+        load_profile("pyxis-h100", ["container.ulimits.nofile=1024"])
 
 
 def test_search_path_order_and_shadowing(sandbox, tmp_path):

@@ -14,7 +14,8 @@ from hpc_verl.launch.spec.launch_plan import build_plan, validate_script
 from hpc_verl.launch.spec.render import environment, shquote
 
 HERE = Path(__file__).resolve().parent
-SHIPPED = ["eth-l40s", "ib-a100", "local", "mi300x-rocm", "pyxis-h100", "roce-h100", "testbed", "testbed-podman"]
+SHIPPED = ["eth-l40s", "ib-a100", "local", "mi300x-rocm", "pyxis-h100", "roce-h100", "testbed", "testbed-docker",
+           "testbed-podman"]
 VARIANTS = {
     "ib-a100/apptainer": ("ib-a100", ["container.runtime=apptainer", "container.image=/shared/hpc-verl.sif"]),
     "mi300x/podman": ("mi300x-rocm", ["container.runtime=podman"]),

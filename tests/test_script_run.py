@@ -6,6 +6,8 @@ stopped on every exit path, GPUs come from the allocation.
 """
 from __future__ import annotations
 
+import os
+
 import shlex
 import signal
 import subprocess
@@ -257,6 +259,11 @@ def test_gpus_come_from_the_allocation_never_all(fc):
         assert c[c.index("--device") + 1] == "/dev/infiniband"
         assert "IPC_LOCK" in c and "memlock=-1:-1" in c and c[c.index("--shm-size") + 1] == "128g"
         assert "all" not in c
+        # docker: the job's own uid/gid (files in the run dir are the user's); removed by name, no --rm
+        assert c[c.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}" and "--rm" not in c
+    names = sorted(c[c.index("--name") + 1] for c in runs)
+    removed = sorted({c[-1] for c in res.calls("docker") if c[:2] == ["rm", "--force"]})
+    assert removed == names
     srun_all = [line for line in res.log if line.startswith("srun ")]
     assert srun_all and all("--overlap" in line for line in srun_all)
 

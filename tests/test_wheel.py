@@ -43,7 +43,7 @@ def test_wheel_in_fresh_venv_lists_and_renders(tmp_path):
 
     listed = json.loads(res.stdout)
     assert {p["name"] for p in listed} >= {"local", "ib-a100", "roce-h100", "eth-l40s", "mi300x-rocm",
-                                           "pyxis-h100", "testbed-podman"}
+                                           "pyxis-h100", "testbed-podman", "testbed-docker"}
     assert all(p["origin"] == "shipped" and str(venv) in p["path"] for p in listed)
     res = subprocess.run([str(venv / "bin" / "hpc-verl"), "render", "--profile", "ib-a100"], cwd=elsewhere, env=env,
                          capture_output=True, text=True)

@@ -74,6 +74,8 @@ class Expectations:
     python: str = "python3"
     temp_dir_root: str = RaySection.temp_dir_root
     cpus_per_task: int = SlurmSection.cpus_per_task
+    docker_host: str | None = None  # the profile's env.vars.DOCKER_HOST (the job exports it)
+    ulimits: list[str] = field(default_factory=list)  # the container's --ulimit values (NAME=SOFT[:HARD])
 
     @classmethod
     def from_profile(cls, p: Any) -> "Expectations":
@@ -91,7 +93,8 @@ class Expectations:
                    ipc_lock=c.ipc_lock, memlock_unlimited=c.memlock_unlimited, accelerator=p.accelerator,
                    gpus_per_node=s.gpus_per_node, port_base=r.port_base, port_stride=r.port_stride,
                    port_slots=r.port_slots, python=r.python, temp_dir_root=r.temp_dir_root,
-                   cpus_per_task=s.cpus_per_task)
+                   cpus_per_task=s.cpus_per_task, docker_host=p.env.vars.get("DOCKER_HOST"),
+                   ulimits=c.ulimit_values())
 
     @property
     def uses_ib(self) -> bool:
@@ -115,6 +118,8 @@ class Context:
     probe: dict[str, Any] | None = None  # filled by the deep container probe
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))  # SLURM_*, HPCV_RAY_NUM_CPUS
     node: str | None = None  # this node's name as the job sees it (default: SLURMD_NODENAME or the hostname)
+    uid: int = field(default_factory=os.geteuid)  # who runs the job's docker client
+    groups: set[int] = field(default_factory=lambda: {os.getegid(), *os.getgroups()})
 
 
 # ----------------------------------------------------------------------------- checks
@@ -262,12 +267,14 @@ def check_memlock(exp: Expectations, ctx: Context) -> CheckResult:
 
 
 def container_ulimit(exp: Expectations, resource: str) -> sysinfo.Limit | None:
-    """The ``--ulimit RESOURCE=soft[:hard]`` a docker/podman profile passes in its run flags."""
+    """The ``--ulimit RESOURCE=soft[:hard]`` a docker/podman profile passes (container.ulimits, run flags)."""
     flags = exp.run_flags
+    values = list(exp.ulimits)
     for i, flag in enumerate(flags):
-        value = flag.split("=", 1)[1] if flag.startswith("--ulimit=") else \
-            flags[i + 1] if flag == "--ulimit" and i + 1 < len(flags) else None
-        if value and value.startswith(resource + "="):
+        values.append(flag.split("=", 1)[1] if flag.startswith("--ulimit=") else
+                      flags[i + 1] if flag == "--ulimit" and i + 1 < len(flags) else "")
+    for value in values:
+        if value.startswith(resource + "="):
             soft, _, hard = value.split("=", 1)[1].partition(":")
             conv = [None if v in ("-1", "unlimited") else int(v) if v.isdigit() else None
                     for v in (soft, hard or soft)]
@@ -282,7 +289,7 @@ def check_nofile(exp: Expectations, ctx: Context) -> CheckResult:
     if exp.isolating_runtime and not ctx.in_container:
         flag = container_ulimit(exp, "nofile")
         if flag is not None:
-            lim, where = flag, " (the container's --ulimit from container.run_flags)"
+            lim, where = flag, " (the container's --ulimit from the profile)"
     if lim is None:
         return CheckResult(name, WARN, "cannot read the open-files limit", "check 'ulimit -n'")
     text = f"soft {_fmt_limit(lim.soft)}, hard {_fmt_limit(lim.hard)}{where}"
@@ -549,11 +556,6 @@ def check_runtime(exp: Expectations, ctx: Context) -> CheckResult:
         return CheckResult(name, FAIL, f"'{binary} --version' failed: {_last_line(res)}",
                            f"repair the {binary} installation")
     version = _last_line(res)
-    if exp.runtime == "docker":
-        info = _run(ctx, [path, "info", "--format", "{{.ServerVersion}}"])
-        if info.returncode != 0:
-            return CheckResult(name, FAIL, f"{version}, but the docker daemon is not reachable: "
-                               f"{_last_line(info)}", "start dockerd or use podman/apptainer (rootless)")
     if exp.runtime == "enroot-pyxis":
         srun = shutil.which("srun")
         if srun is None:
@@ -563,6 +565,94 @@ def check_runtime(exp: Expectations, ctx: Context) -> CheckResult:
             return CheckResult(name, FAIL, f"{version}, but srun has no --container-image (pyxis plugin "
                                "missing)", "install pyxis (plugstack.conf) or use another runtime")
     return CheckResult(name, OK, version)
+
+
+DOCKER_DEFAULT_HOST = "unix:///var/run/docker.sock"
+DOCKER_ROOTLESS_FIX = ("or use rootless Docker (dockerd-rootless-setuptool.sh install; then "
+                       "DOCKER_HOST=unix://$XDG_RUNTIME_DIR/docker.sock in env.vars)")
+
+
+def docker_host(exp: Expectations, ctx: Context) -> tuple[str, str]:
+    """The daemon the job's docker client talks to, and where that comes from."""
+    if exp.docker_host:
+        return exp.docker_host, "env.vars.DOCKER_HOST"
+    if ctx.env.get("DOCKER_HOST"):
+        return ctx.env["DOCKER_HOST"], "$DOCKER_HOST"
+    return DOCKER_DEFAULT_HOST, "the default socket"
+
+
+def _socket_access(path: str, ctx: Context) -> tuple[bool, str, str]:
+    """May ``ctx.uid`` (in ``ctx.groups``) read and write the socket? With the reason in words and the
+    socket's group."""
+    import grp
+    import pwd
+
+    st = os.stat(path)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    if ctx.uid == 0:
+        return True, "you are root", group
+    if st.st_uid == ctx.uid:
+        return st.st_mode & 0o600 == 0o600, "the socket is yours (rootless)", group
+    if st.st_gid in ctx.groups:
+        return st.st_mode & 0o060 == 0o060, f"you are in group '{group}'", group
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    return st.st_mode & 0o006 == 0o006, (f"the socket is {owner}:{group} mode {st.st_mode & 0o777:o} and "
+                                          f"you are not in group '{group}'"), group
+
+
+def check_docker_daemon(exp: Expectations, ctx: Context) -> CheckResult:
+    """The docker runtime: the daemon at the job's DOCKER_HOST answers, and this user may use it."""
+    name = "docker-daemon"
+    if exp.runtime != "docker":
+        return CheckResult(name, SKIP, f"container.runtime is {exp.runtime}")
+    if ctx.in_container:
+        return CheckResult(name, SKIP, "running inside the docker container")
+    binary = shutil.which("docker")
+    if binary is None:
+        return CheckResult(name, SKIP, "no docker client (see container-runtime)")
+    host, source = docker_host(exp, ctx)
+    user = _user_name(ctx.uid)
+    how = ""
+    if host.startswith("unix://"):
+        path = host[len("unix://"):]
+        if not os.path.exists(path):
+            return CheckResult(name, FAIL, f"no docker daemon socket at {path} ({source})",
+                               "start the daemon (sudo systemctl start docker) or point DOCKER_HOST at it "
+                               "(env.vars.DOCKER_HOST in the profile)")
+        allowed, how, group = _socket_access(path, ctx)
+        if not allowed:
+            return CheckResult(name, FAIL, f"user {user} may not use {path}: {how}",
+                               f"ask an admin to add you to it (sudo usermod -aG {group} {user}, then log in "
+                               f"again) {DOCKER_ROOTLESS_FIX}")
+    info = _run(ctx, [binary, "info", "--format", "{{.ServerVersion}} {{json .SecurityOptions}}"],
+                env={**ctx.env, "DOCKER_HOST": host})
+    if info.returncode != 0:
+        last = _last_line(info)
+        if "permission denied" in last.lower():
+            return CheckResult(name, FAIL, f"user {user} may not use the daemon at {host}: {last}",
+                               f"join the socket's group (sudo usermod -aG docker {user}, then log in again) "
+                               f"{DOCKER_ROOTLESS_FIX}")
+        return CheckResult(name, FAIL, f"the docker daemon at {host} ({source}) does not answer: {last}",
+                           "start dockerd (sudo systemctl start docker) or set DOCKER_HOST to a running one "
+                           "(env.vars.DOCKER_HOST in the profile)")
+    version, _, options = info.stdout.strip().partition(" ")
+    mode = "rootless daemon" if "rootless" in options else "root daemon, containers run as you (--user)"
+    return CheckResult(name, OK, f"daemon {version} at {host} ({source}); {mode}" + (f"; {how}" if how else ""))
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def check_container_ib(exp: Expectations, ctx: Context) -> CheckResult:
@@ -607,7 +697,7 @@ def check_container_ib(exp: Expectations, ctx: Context) -> CheckResult:
 CHECKS: tuple[Callable[[Expectations, Context], CheckResult], ...] = (
     check_ib, check_interface, check_socket_ifname, check_shm, check_memlock, check_nofile, check_ports,
     check_ray_socket_path, check_ray_temp_fs, check_cpus, check_ray, check_gpu_devices, check_torch, check_runtime,
-    check_container_ib)
+    check_docker_daemon, check_container_ib)
 
 
 # ----------------------------------------------------------------------------- deep probe
@@ -629,6 +719,8 @@ def container_probe_command(exp: Expectations) -> list[str] | None:
     devs = [d for d in exp.ib_devices + exp.devices if exp.uses_ib or not d.startswith("/dev/infiniband")]
     if exp.runtime in ("docker", "podman"):
         cmd = [binary, *exp.global_flags, "run", "--rm", "--network", "host", *exp.run_flags]
+        for u in exp.ulimits:
+            cmd += ["--ulimit", u]
         for d in devs:
             cmd += ["--device", d]
         for m in exp.mounts:
@@ -646,7 +738,8 @@ def run_probe(exp: Expectations, ctx: Context, timeout_s: float = 300) -> CheckR
     cmd = container_probe_command(exp)
     if cmd is None:
         return CheckResult(name, SKIP, f"no deep probe for runtime {exp.runtime}")
-    res = _run(ctx, cmd, timeout_s=timeout_s)
+    env = {**ctx.env, "DOCKER_HOST": docker_host(exp, ctx)[0]} if exp.runtime == "docker" else None
+    res = _run(ctx, cmd, timeout_s=timeout_s, env=env)
     for line in res.stdout.splitlines():
         if line.startswith("HPCV_PROBE "):
             ctx.probe = json.loads(line[len("HPCV_PROBE "):])
@@ -655,9 +748,11 @@ def run_probe(exp: Expectations, ctx: Context, timeout_s: float = 300) -> CheckR
                        "check the image name and container.run_flags/global_flags (try the command by hand)")
 
 
-def _run(ctx: Context, cmd: list[str], timeout_s: float = 30) -> subprocess.CompletedProcess:
+def _run(ctx: Context, cmd: list[str], timeout_s: float = 30,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     try:
-        return ctx.runner(cmd, capture_output=True, text=True, timeout=timeout_s)
+        extra = {"env": env} if env is not None else {}
+        return ctx.runner(cmd, capture_output=True, text=True, timeout=timeout_s, **extra)
     except subprocess.TimeoutExpired:
         return subprocess.CompletedProcess(cmd, 124, "", f"timed out after {timeout_s:.0f} s")
     except OSError as exc:

@@ -37,6 +37,11 @@ _EXEC_RE = re.compile(r"^[A-Za-z0-9_./+-]{1,256}$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _SBATCH_ARG_RE = re.compile(r"^--[a-z][a-z0-9-]*(=[A-Za-z0-9_.,:/@%+=\[\]-]+)?$")
 _CONSTRAINT_RE = re.compile(r"^[A-Za-z0-9_.,&|*\[\]()-]{1,256}$")
+_ULIMIT_VALUE_RE = re.compile(r"^(-1|unlimited|\d+)(:(-1|unlimited|\d+))?$")
+# the resources `docker run --ulimit` / `podman run --ulimit` know
+ULIMITS = ("core", "cpu", "data", "fsize", "locks", "memlock", "msgqueue", "nice", "nofile", "nproc", "rss", "rtprio",
+           "rttime", "sigpending", "stack")
+ULIMIT_RUNTIMES = ("docker", "podman")
 
 
 def parse_size_bytes(text: str) -> int:
@@ -68,6 +73,12 @@ def _mount(v: str) -> Optional[str]:
 
 def _device(v: str) -> Optional[str]:
     return abs_path(v) or (None if v.startswith("/dev/") else f"must be a device path under /dev/, got {v!r}")
+
+
+def _ulimit_value(v: str) -> Optional[str]:
+    if _ULIMIT_VALUE_RE.match(v):
+        return None
+    return f"must be 'SOFT' or 'SOFT:HARD' (numbers, -1 = unlimited; quote it in YAML), got {v!r}"
 
 
 def _signal(v: str) -> Optional[str]:
@@ -135,6 +146,9 @@ class ContainerSection:
     init: bool = spec(True, doc="run an init process as PID 1 (`--init`) where the runtime has one")
     ipc_lock: bool = spec(True, doc="add the IPC_LOCK capability (RDMA memory registration)")
     memlock_unlimited: bool = spec(True, doc="raise the memlock ulimit to unlimited (`--ulimit memlock=-1:-1`)")
+    ulimits: dict[str, str] = spec(default_factory=dict, doc="resource limits inside the container, `NAME: "
+                                   "'SOFT[:HARD]'` (`-1` = unlimited) as `--ulimit NAME=VALUE` (docker, podman)",
+                                   key_check=choice(ULIMITS), item_check=_ulimit_value)
     global_flags: list[str] = spec(default_factory=list, doc="runtime options before the verb, one argument each "
                                    "(podman: `--runtime`, `runc`, `--cgroup-manager=cgroupfs`)", item_check=non_empty)
     run_flags: list[str] = spec(default_factory=list, doc="extra options for `run`/`instance start` (for "
@@ -146,6 +160,11 @@ class ContainerSection:
                               item_check=_device)
     start_timeout_s: int = spec(600, doc="bound on starting the containers on all nodes (image pulls included)",
                                 check=between(10, 7200))
+
+    def ulimit_values(self) -> list[str]:
+        """``NAME=SOFT[:HARD]`` for each ``--ulimit`` the container gets (memlock_unlimited included)."""
+        values = ["memlock=-1:-1"] if self.memlock_unlimited else []
+        return values + [f"{name}={value}" for name, value in self.ulimits.items()]
 
 
 @dataclass
@@ -295,6 +314,12 @@ def _check_consistency(p: Profile, ctx: Ctx) -> None:
     if c.runtime == "none" and c.image:
         raise ctx.fail("container.image", "is set but container.runtime is 'none'",
                        "set container.runtime or remove the image")
+    if c.ulimits and c.runtime not in ULIMIT_RUNTIMES:
+        raise ctx.fail("container.ulimits", f"cannot be set by runtime '{c.runtime}'",
+                       "set the limits on the nodes (limits.conf, SLURM PropagateResourceLimits) or use docker/podman")
+    if c.memlock_unlimited and "memlock" in c.ulimits:
+        raise ctx.fail("container.ulimits.memlock", "conflicts with container.memlock_unlimited: true",
+                       "set container.memlock_unlimited: false to give memlock a value")
     if n.transport == "roce" and n.gid_index is None:
         raise ctx.fail("network.gid_index", "is required when network.transport is 'roce'",
                        "set it to the RoCE v2 GID index of your HCAs (often 3)")

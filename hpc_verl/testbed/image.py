@@ -269,3 +269,22 @@ def _prune_old(keep: str) -> None:
     old = [r for r in listed.stdout.decode().split() if r != keep and r.startswith(IMAGE_REPO + ":")]
     if old:
         _podman("rmi", *old)
+
+
+def docker_image(daemon, python: str | None = None, podman_ref: str | None = None) -> str:
+    """The same image in the test bed's Docker daemon (a ``hpc_verl.testbed.docker.DockerDaemon``):
+    copied from podman when it holds it (``podman save | docker load``), else built from the same
+    tree with ``docker import``; returns its reference (the same content key as podman's)."""
+    if podman_ref:
+        return daemon.load_image(podman_ref, PODMAN_GLOBAL)
+    tree = image_tree(python)
+    ref = f"{IMAGE_REPO}:{content_key(tree)}"
+    if daemon.has_image(ref):
+        return ref
+    with tempfile.TemporaryDirectory(prefix="hpcv-image-") as tmp:
+        tar_path = Path(tmp) / "rootfs.tar"
+        _write_tar(tree, tar_path)
+        proc = daemon.docker("import", "--change", 'CMD ["sleep", "infinity"]', str(tar_path), ref, timeout_s=600)
+    if proc.returncode != 0:
+        raise TestBedError(f"docker import failed: {proc.stderr.strip()[-300:]}")
+    return ref

@@ -2,7 +2,7 @@
 
 They extend the shipped ``testbed`` / ``testbed-podman`` profiles with what only
 this machine knows: the Python that has Ray and the project, the podman image
-built here (which holds them), a short Ray temp root, and Ray ports below the
+built here (which holds them; the docker profile also names the test bed's own daemon), a short Ray temp root, and Ray ports below the
 kernel's ephemeral range. Every test bed numbers its jobs from 1, so two test
 beds on one machine (several people running the suite) would give job N the same
 port block at the same moment; each bed therefore gets its own range of
@@ -26,8 +26,11 @@ PORT_SLOTS = 10  # a bed runs a few jobs at once; ids wrap within its own range
 
 
 def write_profiles(directory: str | Path, python: str | None = None, temp_root: str = "/tmp/hpcv-tb",
-                   image: str | None = None, readiness_timeout_s: int = 60, port_base: int | None = None) -> Path:
-    """Write ``testbed-local.yaml`` (and ``testbed-podman-local.yaml`` when ``image``); returns the dir.
+                   image: str | None = None, readiness_timeout_s: int = 60, port_base: int | None = None,
+                   docker_host: str | None = None) -> Path:
+    """Write ``testbed-local.yaml`` (and ``testbed-podman-local.yaml`` when ``image``; with ``docker_host``
+    too, ``testbed-docker-local.yaml``: the same image in the Docker daemon at that ``DOCKER_HOST``);
+    returns the dir.
 
     ``port_base``: the bed's first Ray port (default: one of 22000..31000 in steps of a
     thousand, at random: below the kernel's ephemeral ports, and above the blocks of the
@@ -46,4 +49,9 @@ def write_profiles(directory: str | Path, python: str | None = None, temp_root: 
         pod = {"description": "this machine's SLURM test bed, podman (generated)", "extends": "testbed-podman",
                "container": {"image": image}, "ray": ray, "env": env}
         atomic_write_text(d / "testbed-podman-local.yaml", yaml.safe_dump(pod, sort_keys=False))
+    if image and docker_host:
+        dock = {"description": "this machine's SLURM test bed, docker (generated)", "extends": "testbed-docker",
+                "container": {"image": image}, "ray": ray,
+                "env": {"vars": {**env["vars"], "DOCKER_HOST": docker_host}}}
+        atomic_write_text(d / "testbed-docker-local.yaml", yaml.safe_dump(dock, sort_keys=False))
     return d
