@@ -172,7 +172,8 @@ class StepClock(threading.Thread):
                 for raw in self.proc.stdout:   # type: ignore[union-attr]
                     fh.write(raw)
                     for rec in steps_from_log(raw.decode(errors="replace")):
-                        self.steps.append((time.time(), rec))
+                        if all(rec.get("step") != seen.get("step") for _, seen in self.steps):
+                            self.steps.append((time.time(), rec))   # (a step printed again counts once)
                 return
             reader = threading.Thread(target=lambda: [fh.write(raw) for raw in self.proc.stdout], daemon=True)
             reader.start()
