@@ -213,6 +213,9 @@ def leftovers(job_dir: str, job_id: int, wait_s: float = 30, docker_host: str | 
                                  env={**os.environ, "DOCKER_HOST": docker_host}).stdout.split()
             found += [f"docker container {n}" for n in out if n.startswith(f"hpcv-{job_id}-")]
         if not found or time.monotonic() > deadline:
+            log = Path(job_dir) / "logs" / "containers.log"
+            if any(f.startswith(("container", "docker container")) for f in found) and log.exists():
+                found.append("containers.log ends: " + " | ".join(log.read_text(errors="replace").splitlines()[-8:]))
             return found
         time.sleep(1)
 

@@ -435,6 +435,7 @@ def test_testbed_sizes_render_one_slurmd_per_node(tmp_path):
     assert [ln.split()[0] for ln in conf.splitlines() if ln.startswith("NodeName=")] == \
         ["NodeName=node1", "NodeName=node2", "NodeName=node3"]
     assert "PartitionName=debug Nodes=node1,node2,node3 " in conf and "Port=7103" in conf
+    assert "\nFirstJobId=601001\n" in conf  # job ids of its own (from its slurmctld port): no shared container names
     assert (tmp_path / "bed" / "gres.conf").read_text().count("Name=gpu") == 3
     # a bed recorded with another size is not "up" for this size (up() would restart it)
     (tmp_path / "bed" / "testbed.json").write_text(json.dumps({"nodes": ["node1", "node2"]}))

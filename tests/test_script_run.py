@@ -241,8 +241,11 @@ def test_containers_named_per_job_and_node_and_stopped_on_exit(fc, trainer_rc):
         assert "--init" in c and c[c.index("--network") + 1] == "host"
         assert "nofile=1024:1024" in c and "CUDA_VISIBLE_DEVICES=0,1,2,3" in c
         assert c[-3:] == ["localhost/hpc-verl-testbed:latest", "sleep", "infinity"]
-    stopped = sorted({c[-1] for c in calls if "stop" in c})
-    assert stopped == names  # the cleanup trap ran on this exit path
+        assert c[c.index("--stop-timeout") + 1] == "2"  # a short grace for the removal below
+    # the cleanup trap ran on this exit path: each container is removed (by name) after its run
+    started = {c[c.index("--name") + 1]: i for i, c in enumerate(calls) if "run" in c}
+    removed = sorted({c[-1] for i, c in enumerate(calls) if "rm" in c and "--force" in c and i > started.get(c[-1], i)})
+    assert removed == names
     if trainer_rc != "0":
         assert "cleanup (exit status 3)" in res.stderr
 

@@ -201,6 +201,9 @@ class TestBed:
             "JobAcctGatherType=jobacct_gather/none",
             "SchedulerParameters=sched_interval=1",
             "KillWait=5",
+            # job ids of their own: two test beds on one host (pytest-xdist workers) must never share a
+            # container name (hpcv-<job>-<node>) or a job's port block
+            f"FirstJobId={(ctld_port - SLURM_BAND[0]) * 1000 + 1}",
             "MinJobAge=300",
             "InactiveLimit=0",
             f"SlurmctldPidFile={d}/run/slurmctld.pid",
