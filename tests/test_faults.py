@@ -368,6 +368,39 @@ def test_a_killed_raylet_ends_the_job_with_its_diagnosis(tmp_path, tiny_model, k
     assert_job_left_nothing(job.tree, job.rec())
 
 
+def test_a_killed_supervisor_takes_the_whole_local_job_with_it(tmp_path, tiny_model, kill_leftovers):
+    """Fault 1b: ``kill -9`` of a local job's supervisor (what the OOM killer does to it). Its
+    watchdog ends every process of the job within 5 s, Ray's agents included (they used to run on
+    under init, retrying a GCS that was gone), frees the job's ports, removes its Ray temp dir and
+    records why the job ended."""
+    job = _local(tmp_path, tiny_model, kill_leftovers, *LONG, detach=True)
+    assert job.proc.wait(timeout=120) == 0, job.err.read_text()
+    rec = job.started()
+    job.training()
+    job.tree.sample()
+    names = []
+    for pid in job.tree.pids:
+        try:
+            names.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    names = " | ".join(names)
+    assert "raylet" in names and "RuntimeEnvAgent" in names and "supervisor watch" in names, names
+    t0 = time.monotonic()
+    os.kill(rec["supervisor_pid"], signal.SIGKILL)
+    while job.tree.left() and time.monotonic() - t0 < 5.0:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert not job.tree.left(), f"{took:.1f}s after the kill:\n" + "\n".join(job.tree.left())
+    assert_job_left_nothing(job.tree, job.rec())
+    end = job.rec()
+    assert end["exit_code"] == 137 and not end["cancelled"], end
+    st = job.status()
+    assert st["state"] == "FAILED" and f"its supervisor (pid {rec['supervisor_pid']}) died" in st["reason"], st
+    assert "died; its watchdog killed the job's" in job.log().read_text()
+    print(f"nothing of the job left {took:.2f}s after SIGKILL to its supervisor")
+
+
 def test_two_jobs_on_one_port_block_both_run(tmp_path, tiny_model, kill_leftovers):
     """Fault 9: two jobs whose ids give the same port block start at once; the second moves to the
     next free block (no InvalidAuthToken from the first one's GCS) and both complete."""

@@ -14,6 +14,7 @@ import ctypes
 import os
 import signal
 import time
+from collections.abc import Collection, Iterable
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -186,27 +187,32 @@ def end_pids(pids: list[int], grace_s: float = 3.0) -> None:
     _wait_gone(left, KILL_WAIT_S, reap_children=False)   # gone before the caller removes their files
 
 
-def reap_tree(root: int, wait_s: float = 0.0, grace_s: float = 5.0) -> list[int]:
-    """End every descendant of ``root``: first let them exit on their own for up to ``wait_s``
-    (Ray stops a few seconds after its supervisor asked), then TERM them and their process
-    groups, then KILL what is left after ``grace_s``. Returns the pids that had to be signalled."""
+def reap_tree(root: int, wait_s: float = 0.0, grace_s: float = 5.0, keep: Collection[int] = ()) -> list[int]:
+    """End every descendant of ``root`` but ``keep`` (and theirs): first let them exit on their own
+    for up to ``wait_s`` (Ray stops a few seconds after its supervisor asked), then TERM them and
+    their process groups, then KILL what is left after ``grace_s``. Returns the pids signalled."""
+    spared = set(keep)
+
+    def tree() -> list[int]:
+        kept = spared | {d for k in spared for d in descendants(k)} if spared else set()
+        return [p for p in descendants(root) if p not in kept]
     deadline = time.monotonic() + wait_s
-    while descendants(root) and time.monotonic() < deadline:
+    while tree() and time.monotonic() < deadline:
         reap()
         time.sleep(0.1)
     reap()
-    signalled = descendants(root)
+    signalled = tree()
     if not signalled:
         return []
     _signal_all(signalled, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         reap()
-        if not descendants(root):
+        if not tree():
             return signalled
         time.sleep(0.1)
     for _ in range(3):   # a process may fork while it is being stopped
-        left = descendants(root)
+        left = tree()
         if not left:
             break
         signalled += [p for p in left if p not in signalled]
@@ -262,14 +268,26 @@ def in_session(sid: int) -> list[int]:
     return out
 
 
-def kill_everything(sid: int, paths: tuple[str, ...] = (), bound_s: float = KILL_WAIT_S) -> list[int]:
-    """SIGKILL, until none is left (at most ``bound_s``): every process of session ``sid`` and
-    every descendant of this process (a subreaper's orphans), then whatever names one of
-    ``paths`` (see :func:`pids_using`) with its descendants. Returns the pids killed."""
+def sessions_of(pids: Iterable[int]) -> set[int]:
+    """The session ids of the live ``pids``."""
+    out = set()
+    for pid in pids:
+        try:
+            out.add(os.getsid(pid))
+        except OSError:
+            continue
+    return out
+
+
+def kill_everything(sid: int | Collection[int], paths: tuple[str, ...] = (), bound_s: float = KILL_WAIT_S) -> list[int]:
+    """SIGKILL, until none is left (at most ``bound_s``): every process of session ``sid`` (or of
+    each of several) and every descendant of this process (a subreaper's orphans), then whatever
+    names one of ``paths`` (see :func:`pids_using`) with its descendants. Returns the pids killed."""
+    sids = {sid} if isinstance(sid, int) else set(sid)
     killed: list[int] = []
     deadline = time.monotonic() + bound_s
     while True:
-        found = set(in_session(sid)) | set(descendants(os.getpid()))
+        found = {p for s in sids for p in in_session(s)} | set(descendants(os.getpid()))
         if not found:   # (the path scan reads every fd of every process: only once the cheap one is empty)
             for path in paths:
                 for pid in pids_using(path):

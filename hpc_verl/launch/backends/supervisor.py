@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -35,6 +36,9 @@ LOG_NAME = "job.log"
 REAP_WAIT_S = 5.0
 REAP_GRACE_S = 5.0
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: how often the watchdog notes the sessions and processes of the job (see :func:`watch`)
+WATCH_POLL_S = 0.25
+WATCH_STOP = b"q"
 # SLURM variables the script would take for its own (job id, submit dir, restart count, CPUs)
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_SUBMIT_DIR", "SLURM_RESTART_COUNT", "SLURM_CPUS_PER_TASK",
                "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS")
@@ -124,6 +128,7 @@ class Supervisor:
 
     def run(self) -> int:
         procs.become_subreaper()
+        watchdog, stop_watchdog = start_watchdog(self.job_dir)
         for sig in FORWARDED:
             signal.signal(sig, self._on_signal)
         with updating(self.job_dir) as rec:
@@ -139,7 +144,7 @@ class Supervisor:
         rc = self.script.wait()
         if rc < 0:                      # killed by a signal: the shell's convention, 128 + signal number
             rc = 128 - rc
-        left = procs.reap_tree(os.getpid(), wait_s=REAP_WAIT_S, grace_s=REAP_GRACE_S)
+        left = procs.reap_tree(os.getpid(), wait_s=REAP_WAIT_S, grace_s=REAP_GRACE_S, keep=(watchdog.pid,))
         left += end_marked(self.job_dir)   # outside the tree: a shell of `hpc-verl attach JOB`
         removed = remove_ray_temp_dirs(self.job_dir)
         note = []
@@ -158,11 +163,126 @@ class Supervisor:
             if self.stop_signal is not None and not rec.cancelled:
                 rec.cancelled = True
                 rec.stop_reason = rec.stop_reason or f"{signal.Signals(self.stop_signal).name} to the job"
+        stop_watchdog()
         return rc
 
     def _log(self, line: str) -> None:
         with open(Path(self.job_dir) / LOG_NAME, "a") as log:
             log.write(f"[hpc-verl {time.strftime('%H:%M:%S', time.gmtime())}] {line}\n")
+
+
+# ---------------------------------------------------------------------------- the watchdog
+def start_watchdog(job_dir: str) -> tuple[subprocess.Popen, Any]:
+    """Start this supervisor's watchdog (see :func:`watch`); returns it and the call that stops it."""
+    read, write = os.pipe()
+    try:
+        with open(Path(job_dir) / "supervisor.err", "ab") as err:
+            proc = subprocess.Popen([sys.executable, "-m", MODULE, "watch", job_dir, str(read), str(os.getpid())],
+                                    pass_fds=(read,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=err, start_new_session=True)
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+
+    def stop() -> None:
+        try:
+            os.write(write, WATCH_STOP)
+            os.close(write)
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc, stop
+
+
+def _table() -> dict[int, tuple[int, int, str]]:
+    """{pid: (ppid, session id, start time)} of every live process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                f = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if f[0] not in ("Z", "X"):
+            out[int(entry)] = (int(f[1]), int(f[3]), f[19])
+    return out
+
+
+def _tree(table: dict[int, tuple[int, int, str]], root: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        for kid in kids.get(todo.pop(), []):
+            out.add(kid)
+            todo.append(kid)
+    return out
+
+
+def watch(job_dir: str, fd: int, supervisor: int) -> int:
+    """The supervisor's watchdog: a small process in a session of its own that holds a pipe from
+    the supervisor. Every WATCH_POLL_S it notes the job's processes (the supervisor's tree: it is
+    their subreaper) and the sessions that belong to the job alone. When the supervisor dies
+    without stopping it (``kill -9``, the OOM killer: EOF on the pipe, or a new parent), its
+    orphans would go to init and run on, Ray's agents for minutes; so the watchdog SIGKILLs
+    every process of those sessions, the noted processes, whatever names the job's Ray temp
+    dirs, and the job's marked processes, removes the temp dirs and records the end."""
+    own = os.getsid(0)
+    sessions: set[int] = set()
+    noted: dict[int, str] = {}
+    while True:
+        ready, _, _ = select.select([fd], [], [], WATCH_POLL_S)
+        if ready:
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                data = b""
+            if WATCH_STOP in data:
+                return 0
+            if not data:
+                break
+        if os.getppid() != supervisor:
+            break
+        table = _table()
+        tree = _tree(table, supervisor) | ({supervisor} if supervisor in table else set())
+        tree.discard(os.getpid())
+        noted.update({p: table[p][2] for p in tree})
+        # a session of the job: one whose every process is in the supervisor's tree (never the
+        # session of a terminal the supervisor was started from)
+        members: dict[int, set[int]] = {}
+        for pid, (_, sid, _) in table.items():
+            members.setdefault(sid, set()).add(pid)
+        sessions |= {sid for sid in {table[p][1] for p in tree} if sid != own and members[sid] <= tree}
+    t0 = time.monotonic()
+    rec = registry.load(job_dir)
+    from hpc_verl.bootstrap.raydir import node_states
+
+    temps = tuple(st["temp_dir"] for st in (node_states(rec.run_dir) if rec.run_dir else {}).values()
+                  if st.get("temp_dir"))
+    killed = set(procs.kill_everything(sessions, temps))
+    table = _table()
+    strays = [p for p, start in noted.items() if p in table and table[p][2] == start and p != os.getpid()]
+    procs.end_pids(strays, grace_s=0.0)
+    killed |= set(strays) | set(end_marked(job_dir, grace_s=0.0))
+    removed = remove_ray_temp_dirs(job_dir)
+    with updating(job_dir) as cur:
+        if cur.exit_code is None:
+            cur.exit_code = 128 + signal.SIGKILL
+            cur.stop_reason = cur.stop_reason or f"its supervisor (pid {supervisor}) died before the job ended"
+    with open(Path(job_dir) / LOG_NAME, "a") as log:
+        log.write(f"[hpc-verl {time.strftime('%H:%M:%S', time.gmtime())}] the job's supervisor (pid {supervisor}) "
+                  f"died; its watchdog killed the job's {len(killed)} processes in {time.monotonic() - t0:.1f}s"
+                  + (f" and removed Ray temp dir(s) {', '.join(removed)}" if removed else "") + "\n")
+    return 0
 
 
 def remove_ray_temp_dirs(job_dir: str) -> list[str]:
@@ -226,10 +346,12 @@ def supervisor_error(rec: registry.JobRecord) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] != "supervise":
-        print(f"usage: python -m {MODULE} supervise JOB_DIR", file=sys.stderr)
-        return 2
-    return Supervisor(args[1]).run()
+    if len(args) == 2 and args[0] == "supervise":
+        return Supervisor(args[1]).run()
+    if len(args) == 4 and args[0] == "watch" and args[2].isdigit() and args[3].isdigit():
+        return watch(args[1], int(args[2]), int(args[3]))
+    print(f"usage: python -m {MODULE} supervise JOB_DIR", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
