@@ -123,7 +123,7 @@ class SlurmSection:
                                      check=matches(_CONSTRAINT_RE, "a SLURM constraint expression"))
     exclusive: bool = spec(False, doc="ask for whole nodes (`--exclusive`)")
     requeue: bool = spec(True, doc="let SLURM requeue the job after preemption or node failure (`--requeue`)")
-    max_restarts: int = spec(3, doc="how many times the job requeues itself after the preemption signal",
+    max_restarts: int = spec(3, doc="how many times the job requeues itself (preemption signal, lost node)",
                              check=between(0, 100))
     signal: str = spec("USR2", doc="signal sent before the time limit (`--signal=B:SIG@lead`); never USR1, "
                        "which NCCL uses", check=_signal)

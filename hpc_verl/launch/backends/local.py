@@ -27,7 +27,7 @@ from hpc_verl.errors import ConfigError, Stopped, SubmitError, install_stop_sign
 from hpc_verl.launch import registry
 from hpc_verl.launch.backends import supervisor as sup
 from hpc_verl.launch.backends.base import DryRun, JobInfo, JobState, SubmitRequest
-from hpc_verl.launch.backends.script import ScriptBackend
+from hpc_verl.launch.backends.script import ScriptBackend, failure_line
 from hpc_verl.util import procs
 from hpc_verl.util.package import PACKAGE_DIR
 
@@ -220,16 +220,6 @@ def _checkpoint_step(rec: registry.JobRecord) -> str:
         return (sup.trainer_dir(rec) / "latest_checkpointed_iteration.txt").read_text().strip()
     except OSError:
         return "?"
-
-
-def failure_line(rec: registry.JobRecord) -> str:
-    """The job's first failure line (``$HPCV_FAILURE_FILE``), if it wrote one."""
-    from hpc_verl.errors import FAILURE_FILE_NAME
-
-    try:
-        return (Path(rec.run_dir) / FAILURE_FILE_NAME).read_text().strip().splitlines()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 def info(rec: registry.JobRecord) -> JobInfo:

@@ -149,7 +149,11 @@ class ScriptBackend(Backend):
         except (OSError, ValueError):
             pass
         stages = sorted(p.stem for p in (Path(record.run_dir) / "stages").glob("*.done")) if record.run_dir else []
-        out = {"source": info.source or None, "reason": info.reason, "exit_code": info.exit_code,
+        reason = info.reason
+        if info.state is JobState.FAILED and (line := failure_line(record)) and line != info.reason:
+            # the run's own first failure line says why; the scheduler's word (NonZeroExitCode) follows
+            reason = line + (f" ({info.source or 'scheduler'}: {info.reason})" if info.reason else "")
+        out = {"source": info.source or None, "reason": reason, "exit_code": info.exit_code,
                "restarts": info.restarts, "slurm_nodes": info.nodes, "nodes": record.nodes,
                "ray_address": head.get("address"), "ports": record.ports, "stages_done": stages,
                "job_dir": record.job_dir, "run_dir": record.run_dir, "batch_log": record.batch_log,
@@ -192,6 +196,18 @@ class ScriptBackend(Backend):
             raise SubmitError(f"cluster job {self.ref(record)} has no Ray Jobs API yet ({self.scheduler} state "
                               f"{state}); wait for 'hpc-verl cluster up' to print the address, or start a new one")
         return info["address"], info["token_file"]
+
+
+def failure_line(record: JobRecord) -> str:
+    """The run's first failure line (``$HPCV_FAILURE_FILE`` in the run directory), if it wrote one."""
+    from hpc_verl.errors import FAILURE_FILE_NAME
+
+    if not record.run_dir:
+        return ""
+    try:
+        return (Path(record.run_dir) / FAILURE_FILE_NAME).read_text().strip().splitlines()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def set_run_paths(record: JobRecord, job_id: int, batch_log: Optional[str] = None, submitted: bool = True) -> None:
