@@ -14,7 +14,7 @@ import ctypes
 import os
 import signal
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -265,17 +265,6 @@ def in_session(sid: int) -> list[int]:
             continue
         if rest[0] not in ("Z", "X") and int(rest[3]) == sid:
             out.append(int(entry))
-    return out
-
-
-def sessions_of(pids: Iterable[int]) -> set[int]:
-    """The session ids of the live ``pids``."""
-    out = set()
-    for pid in pids:
-        try:
-            out.add(os.getsid(pid))
-        except OSError:
-            continue
     return out
 
 
