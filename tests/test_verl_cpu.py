@@ -181,30 +181,33 @@ def test_cpu_platform_answers_verls_device_questions():
     mod.set_rng_state(state)
 
 
+_BACKEND_CHECK = """
+import socket, pytest, torch.distributed as dist
+from verl.utils import distributed
+from hpc_verl.verl_upstream.cpu import patches
+with pytest.raises(ValueError, match="Duplicate device type cpu"):  # verl/utils/distributed.py:89 on CPU
+    dist.distributed_c10d.BackendConfig(dist.Backend("cpu:gloo,cpu:gloo"))
+patches.gloo_process_group()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+import os
+os.environ.update(DIST_INIT_METHOD=f"tcp://127.0.0.1:{port}", RANK="0", WORLD_SIZE="1")
+distributed.initialize_global_process_group_ray(timeout_second=30)   # (no backend: the CPU one)
+print("BACKEND", dist.get_backend())
+dist.destroy_process_group()
+"""
+
+
 @needs_verl
-def test_torch_refuses_verls_cpu_backend_string_and_the_correction_avoids_it(monkeypatch):
-    import torch.distributed as dist
-    from verl.utils import distributed
-
-    from hpc_verl.verl_upstream.cpu import patches
-
-    with pytest.raises(ValueError, match="Duplicate device type cpu"):  # verl/utils/distributed.py:89 on CPU
-        dist.distributed_c10d.BackendConfig(dist.Backend("cpu:gloo,cpu:gloo"))
-    monkeypatch.setattr(distributed, "initialize_global_process_group_ray",
-                        distributed.initialize_global_process_group_ray)
-    patches.gloo_process_group()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("DIST_INIT_METHOD", f"tcp://127.0.0.1:{port}")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    try:
-        distributed.initialize_global_process_group_ray(timeout_second=30)   # (no backend: the CPU one)
-        assert dist.get_backend() == "cpu:gloo"
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def test_torch_refuses_verls_cpu_backend_string_and_the_correction_avoids_it():
+    # in a fresh process: a process group left by another test of this worker (vLLM's in-process
+    # engine makes one) would be taken for verl's and hide the backend it picks
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    res = subprocess.run([sys.executable, "-c", _BACKEND_CHECK], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": path})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "BACKEND cpu:gloo" in res.stdout, res.stdout
 
 
 @needs_vllm
