@@ -3,7 +3,8 @@
 - A weight sync with buckets small enough to split the fused layers (q/k/v into vLLM's qkv_proj,
   gate/up into gate_up_proj) across buckets, after which vLLM's log-probs of the tokens it sampled
   equal the actor's (transformers, float32) to 1e-5; twice, and not before the sync.
-- The trainer with ``rollout.name=vllm`` learns the digit task, at W=1 and with two rollout replicas.
+- The trainer with ``rollout.name=vllm`` learns the digit task; two rollout replicas (two engines)
+  are each synced before every step.
 - The refusals before Ray starts: vLLM missing, ``enable_sleep_mode`` on CPU; an engine-start error
   reaches the user whole.
 """
@@ -134,25 +135,37 @@ def test_refused_before_ray_starts(cli, tiny_model, digits_data, tmp_path) -> No
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
 
 
-@pytest.mark.learning
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_trainer_learns_the_digit_task_with_the_vllm_rollout(tiny_model, digits_data, tmp_path, replicas) -> None:
-    """From random weights to a 5-step mean reward >= 0.6 within 120 iterations, the rollout on vLLM's
-    CPU engine: one rank, and two ranks (two rollout replicas, each its own engine; a DDP actor)."""
+def _vllm_run(tiny_model, digits_data, tmp_path, iterations: int, replicas: int) -> list[dict]:
     from test_trainer_e2e import _records, _train_to_end
     run_dir = tmp_path / "run"
-    args = digit_overrides(tiny_model, digits_data, run_dir, 120, (
+    args = digit_overrides(tiny_model, digits_data, run_dir, iterations, (
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true",
         "trainer.seed=1", "trainer.save_freq=-1", f"trainer.n_gpus_per_node={replicas}",
         "actor_rollout_ref.actor.strategy=ddp"))
     _train_to_end(args, tmp_path / "train.log")
     recs = _records(run_dir)
+    assert len(recs) == iterations
+    assert all(r["rollout/policy_version"] == r["step"] - 1 for r in recs[1:])   # synced every step
+    return recs
+
+
+@pytest.mark.learning
+def test_trainer_learns_the_digit_task_with_the_vllm_rollout(tiny_model, digits_data, tmp_path) -> None:
+    """From random weights to a 5-step mean reward >= 0.6 within 120 iterations, the rollout on vLLM's
+    CPU engine, its weights synced from the actor every step."""
+    recs = _vllm_run(tiny_model, digits_data, tmp_path, 120, 1)
     rewards = [r["critic/score/mean"] for r in recs]
     smooth = [sum(rewards[i - 5:i]) / 5 for i in range(5, len(rewards) + 1)]
-    print(f"vLLM learning, {replicas} replica(s): first-5 {smooth[0]:.3f}, best-5 {max(smooth):.3f}, "
-          f"last-5 {smooth[-1]:.3f}, step {sum(r['timing_s/step'] for r in recs) / len(recs):.2f}s")
-    assert len(rewards) == 120 and smooth[0] < 0.2 and max(smooth) >= 0.6
-    assert all(r["rollout/policy_version"] == r["step"] - 1 for r in recs[1:])   # synced every step
-    if replicas == 2:
-        status = json.loads((run_dir / "dataflow_status.json").read_text())
-        assert [w["rows"] > 0 for w in status["nodes"]["actor_rollout"]["workers"]] == [True, True]
+    print(f"vLLM learning: first-5 {smooth[0]:.3f}, best-5 {max(smooth):.3f}, last-5 {smooth[-1]:.3f}, "
+          f"step {sum(r['timing_s/step'] for r in recs) / len(recs):.2f}s")
+    assert smooth[0] < 0.2 and max(smooth) >= 0.6
+
+
+def test_two_rollout_replicas_each_run_their_own_engine_synced_every_step(tiny_model, digits_data, tmp_path) -> None:
+    """Two ranks: two rollout replicas, each its own vLLM engine, both given rows and both synced from
+    the DDP actor before every step (a short run: learning on vLLM is the test above; W=2 equals
+    W=1 in tests/test_dp_equivalence.py)."""
+    recs = _vllm_run(tiny_model, digits_data, tmp_path, 6, 2)
+    assert all(r["rollout/replicas"] == 2 for r in recs)
+    status = json.loads((tmp_path / "run" / "dataflow_status.json").read_text())
+    assert [w["rows"] > 0 for w in status["nodes"]["actor_rollout"]["workers"]] == [True, True]
