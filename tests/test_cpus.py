@@ -77,3 +77,20 @@ def test_too_many_cpu_ranks_are_refused_unless_opted_in(tmp_path, tiny_model, di
     res = _train(tmp_path, "trainer.n_gpus_per_node=2", "--dry-run", env=slurm)
     assert res.returncode == 0 and "CPU ranks per node: 2 on 2 usable CPU(s)" in res.stdout, res.stderr
     assert "(fits)" in res.stdout
+
+
+def test_plan_and_doctor_count_a_cpu_profiles_ranks_against_its_cpus():
+    # a SLURM profile seen from a login node: what it asks SLURM for per task
+    line, problem = cpus.profile_rank_check("slurm", 4, env={})
+    assert problem is None and line == "CPU ranks per node: 1 on 4 usable CPU(s) (slurm.cpus_per_task) (fits)"
+    # inside the job (or a local profile): the CPUs this process may use; more ranks than those are refused
+    line, problem = cpus.profile_rank_check("slurm", 4, env={"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "1"}, ranks=3)
+    assert "3 on 1 usable CPU(s) (" in line and "(oversubscribed)" in line
+    assert "trainer.n_gpus_per_node to at most 1" in problem
+    from hpc_verl.ops.doctor import OK, SKIP, Context, Expectations
+    from hpc_verl.ops.doctor_job import check_cpu_ranks
+    r = check_cpu_ranks(Expectations(scheduler="slurm", cpus_per_task=8, accelerator="none"), Context(env={}))
+    assert r.status == OK and "1 on 8 usable CPU(s)" in r.detail
+    assert check_cpu_ranks(Expectations(accelerator="nvidia", gpus_per_node=4), Context(env={})).status == SKIP
+    from hpc_verl.verl_upstream.cpu.rules import LOGICAL_GPUS_PER_NODE
+    assert LOGICAL_GPUS_PER_NODE == cpus.CPU_PROFILE_RANKS_PER_NODE     # one rule for both trainers

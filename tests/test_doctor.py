@@ -529,3 +529,32 @@ def test_cli_reports_the_new_checks_on_a_fake_tree(cli, tmp_path):
     assert checks["ray-temp-fs"]["status"] == FAIL and checks["ray-temp-fs"]["fix"]
     assert checks["cpus"]["status"] == FAIL and "8 CPUs" in checks["cpus"]["detail"]
     assert checks["ray-socket-path"]["status"] == OK
+
+
+def test_head_ports_probe_what_the_head_published(tmp_path, monkeypatch):
+    """doctor --job-id: the head's published ports, connected to from here; one that nothing answers
+    is closed, with how. (A firewall that drops: tests/test_faults_network.py.)"""
+    from hpc_verl.bootstrap.netif import tcp_probe
+    from hpc_verl.ops.doctor_job import check_head_ports
+    with socket.socket() as listening, socket.socket() as bound:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        bound.bind(("127.0.0.1", 0))          # bound, not listening: refused
+        gcs, dead = listening.getsockname()[1], bound.getsockname()[1]
+        assert tcp_probe("127.0.0.1", gcs) is None and "refused" in tcp_probe("127.0.0.1", dead)
+        run = tmp_path / "run"
+        (run / "ray").mkdir(parents=True)
+        env = {"HPCV_RUN_DIR": str(run), "SLURM_JOB_ID": "42", "SLURMD_NODENAME": "node2"}
+        ctx = Context(job_id=42, env=env)
+        assert check_head_ports(Expectations(), ctx).status == SKIP        # no head.json yet
+        (run / "ray" / "head.json").write_text(json.dumps({"node": "node1", "ip": "127.0.0.1", "gcs_port": gcs}))
+        r = check_head_ports(Expectations(), ctx)
+        assert r.status == OK and f"GCS 127.0.0.1:{gcs}" in r.detail and "from node2" in r.detail
+        (run / "ray" / "head.json").write_text(json.dumps({"node": "node1", "ip": "127.0.0.1", "gcs_port": gcs,
+                                                           "client_port": dead}))
+        r = check_head_ports(Expectations(), ctx)
+        assert r.status == FAIL and f"Ray client 127.0.0.1:{dead}: connection refused" in r.detail
+        assert f"GCS 127.0.0.1:{gcs}" not in r.detail and str(dead) in r.fix
+    monkeypatch.setenv("HPC_VERL_HOME", str(tmp_path / "home"))
+    r = check_head_ports(Expectations(), Context(job_id=43, env={}))
+    assert r.status == SKIP and "not in the registry" in r.detail

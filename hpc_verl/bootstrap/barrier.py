@@ -168,7 +168,10 @@ class Barrier:
         got = f"{len(set(view.alive_nodes) & set(self.expected_nodes))}/{len(self.expected_nodes)} nodes, " \
               f"{view.gpus:g}/{self.expected_gpus} GPUs"
         if missing:
-            return f"Ray not ready after {self.timeout_s:g}s: {got}; missing node(s): {', '.join(missing)}"
+            states = node_states(self.job_dir)
+            why = [states.get(n, {}).get("unreachable") for n in missing]
+            named = ", ".join(f"{n} ({w})" if w else n for n, w in zip(missing, why))
+            return f"Ray not ready after {self.timeout_s:g}s: {got}; missing node(s): {named}"
         return f"Ray not ready after {self.timeout_s:g}s: {got} (GPU count short{'; ' + view.error if view.error else ''})"
 
     def _diagnose(self, head: dict[str, Any] | None, view: ClusterView, msg: str) -> None:

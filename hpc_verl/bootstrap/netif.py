@@ -7,8 +7,10 @@ Docker/podman bridge addresses are always refused: other hosts cannot reach them
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import ipaddress
+import os
 import socket
 import struct
 
@@ -107,9 +109,30 @@ def select_ip(interface: str | None = None, allow_loopback: bool = False,
 def tcp_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
     """Does something accept connections at host:port? (Cheap; Ray's GCS client blocks ~40 s
     on an address where nothing listens, so callers ask this first.)"""
+    return tcp_probe(host, port, timeout_s) is None
+
+
+def tcp_probe(host: str, port: int, timeout_s: float = 0.5) -> str | None:
+    """None when something accepts connections at host:port, else why not, in words a person
+    acts on: refused (nothing listens, or a firewall rejects), no answer (a firewall drops it),
+    no route."""
     with socket.socket() as s:
         s.settimeout(timeout_s)
-        return s.connect_ex((host, port)) == 0
+        try:
+            err = s.connect_ex((host, port))
+        except socket.timeout:
+            err = errno.ETIMEDOUT
+        except OSError as exc:   # e.g. a name that does not resolve
+            return f"cannot connect ({exc.strerror or exc})"
+    if err == 0:
+        return None
+    if err in (errno.ETIMEDOUT, errno.EAGAIN, errno.EINPROGRESS):
+        return f"no answer within {timeout_s:g} s (dropped on the way: a firewall?)"
+    if err == errno.ECONNREFUSED:
+        return "connection refused (nothing listens there, or a firewall rejects it)"
+    if err in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return f"{os.strerror(err).lower()} (routing or a firewall between the nodes)"
+    return os.strerror(err).lower()
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hpc_verl.util import procs
-from hpc_verl.bootstrap.netif import select_ip, tcp_open
+from hpc_verl.bootstrap.netif import select_ip, tcp_open, tcp_probe
 from hpc_verl.bootstrap.ports import block_shift, busy_ports, pick_node_ports
 from hpc_verl.bootstrap.raydir import ray_dir, ray_env, read_json, read_plan, write_node_state
-from hpc_verl.bootstrap.timing import RAYLET_REAP_S, SUPERVISOR_POLL_S
+from hpc_verl.bootstrap.timing import (RAYLET_REAP_S, REACH_EVERY_S, REACH_GRACE_S, REACH_PROBE_S,
+                                      SUPERVISOR_POLL_S)
 from hpc_verl.util.rayready import RAYLET_ENV, worker_env
 from hpc_verl.errors import FAILURE_FILE_NAME, BootstrapError, record_failure
 from hpc_verl.util.fs import atomic_write_json
@@ -264,10 +265,15 @@ class NodeSupervisor:
                                "gcs_port": ports.gcs, "dashboard_port": ports.dashboard,
                                "client_port": ports.client if self.plan.get("client_server") else None,
                                "dashboard_host": self.plan["dashboard_host"]})
+        reach = _HeadReach(self) if not self.is_head else None
         while child.poll() is None and not self._stop_requested():
             if time.monotonic() > deadline:
                 raise BootstrapError(self._start_failure(child, log_path, "ray start did not return"))
+            if reach is not None:
+                reach.check()
             time.sleep(0.1)
+        if reach is not None:
+            reach.clear()
         if self._stop_requested():
             return None
         if child.returncode != 0:
@@ -343,6 +349,46 @@ class NodeSupervisor:
         removed = remove_node_temp_dir(self.job_dir, self.node, self.temp_dir)
         self.state(state="failed" if st.get("state") == "failed" else "stopped", stopped_pids=killed,
                    temp_dir_removed=removed)
+
+
+class _HeadReach:
+    """A worker waiting to join: can this node reach the head's GCS port? The head publishes its
+    address only once its GCS listens, so a port that does not answer from here is the network
+    between the nodes (a firewall, a route). Said once on the node's log and kept in its state, where
+    the readiness barrier names it; cleared when the port answers."""
+
+    def __init__(self, node: "NodeSupervisor") -> None:
+        self.node = node
+        self.next_probe = 0.0
+        self.failing_since: float | None = None
+        self.reported: str | None = None
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self.next_probe:
+            return
+        self.next_probe = now + REACH_EVERY_S
+        head = read_json(ray_dir(self.node.job_dir) / "head.json")
+        if not head or not head.get("gcs_port"):
+            return
+        where = f"{head['ip']}:{head['gcs_port']}"
+        why = tcp_probe(str(head["ip"]), int(head["gcs_port"]), REACH_PROBE_S)
+        if why is None:
+            self.failing_since = None
+            if self.reported:
+                print(f"hpc_verl.bootstrap[{self.node.node}]: the head's GCS at {where} answers again", flush=True)
+                self.clear()
+            return
+        self.failing_since = self.failing_since or now
+        if now - self.failing_since >= REACH_GRACE_S and self.reported is None:
+            self.reported = f"cannot reach the head's GCS at {where} on {head.get('node', 'the head')}: {why}"
+            print(f"hpc_verl.bootstrap[{self.node.node}]: {self.reported}", flush=True)
+            self.node.state(unreachable=self.reported)
+
+    def clear(self) -> None:
+        if self.reported is not None:
+            self.reported = None
+            self.node.state(unreachable=None)
 
 
 def remove_node_temp_dir(job_dir: str, node: str, temp_dir: str) -> bool:

@@ -14,3 +14,9 @@ WATCH_POLL_S = 0.25
 #: trainer that failed because its Ray went away can end before that, and the job script waits
 #: this long for the node's diagnosis before it blames the trainer (rendered into the script)
 FAILURE_REPORT_S = SUPERVISOR_POLL_S + RAYLET_REAP_S + WATCH_POLL_S + 1.0
+#: a worker waiting for the head probes the head's published GCS port this often, each probe
+#: bounded by REACH_PROBE_S; a port that has not answered for REACH_GRACE_S is reported (the
+#: head publishes its address only once its GCS listens, so silence is the network between them)
+REACH_EVERY_S = 2.0
+REACH_PROBE_S = 1.0
+REACH_GRACE_S = 3.0

@@ -19,14 +19,16 @@ def register(subparsers: Any) -> None:
         description="Check this node against a cluster profile: InfiniBand HCAs active, the profile's "
                     "interface and its IPv4, /dev/shm size, memlock/nofile limits, the job's Ray port block, "
                     "the length of Ray's Unix socket paths and the filesystem under its temp dir, the CPUs Ray "
-                    "will be told against what the job may use, "
+                    "will be told against what the job may use, CPU ranks against CPUs (CPU profiles), "
+                    "with --job-id whether the job's head answers on its published ports from here, "
                     "Ray and torch versions, GPUs, the container runtime and IB devices in the container. "
                     "Each check prints OK/WARN/FAIL/SKIP with a one-line fix. Exit 1 if any check FAILs.")
     add_profile_argument(parser, required=False, default=os.environ.get("HPC_VERL_PROFILE", "local"),
                          help=PROFILE_HELP + " (default: $HPC_VERL_PROFILE or 'local')")
     add_set_argument(parser)
     parser.add_argument("--job-id", type=int, default=None,
-                        help="check this job's Ray port block (default: $SLURM_JOB_ID)")
+                        help="check this job's Ray port block, and that its head's ports answer from here "
+                             "(default: $SLURM_JOB_ID)")
     parser.add_argument("--deep", action="store_true",
                         help="also start the profile's container once and look inside (Ray, torch, GPUs, IB)")
     parser.add_argument("--in-container", action="store_true",

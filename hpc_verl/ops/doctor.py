@@ -694,10 +694,15 @@ def check_container_ib(exp: Expectations, ctx: Context) -> CheckResult:
                        f"{', '.join(passed) or 'the shared /dev'} (run --deep to look inside)")
 
 
+def _job_checks() -> tuple[Callable[[Expectations, Context], CheckResult], ...]:
+    from hpc_verl.ops.doctor_job import check_cpu_ranks, check_head_ports
+    return check_cpu_ranks, check_head_ports
+
+
 CHECKS: tuple[Callable[[Expectations, Context], CheckResult], ...] = (
     check_ib, check_interface, check_socket_ifname, check_shm, check_memlock, check_nofile, check_ports,
-    check_ray_socket_path, check_ray_temp_fs, check_cpus, check_ray, check_gpu_devices, check_torch, check_runtime,
-    check_docker_daemon, check_container_ib)
+    check_ray_socket_path, check_ray_temp_fs, check_cpus, *_job_checks(), check_ray, check_gpu_devices,
+    check_torch, check_runtime, check_docker_daemon, check_container_ib)
 
 
 # ----------------------------------------------------------------------------- deep probe

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Mapping
 
 OVERSUBSCRIBE_KEY = "hpc_verl.allow_cpu_oversubscribe"
+#: the trainer ranks the launcher places on each node of a CPU profile (accelerator none): the
+#: built-in trainer gets n_gpus_per_node 0 (one rank), upstream verl one logical GPU
+CPU_PROFILE_RANKS_PER_NODE = 1
 
 
 @dataclass(frozen=True)
@@ -79,3 +82,21 @@ def rank_line(ranks: int, cpus: UsableCpus) -> str:
     """What ``--dry-run`` and ``--check`` print: ranks against CPUs."""
     verdict = "fits" if ranks <= cpus.count else "oversubscribed"
     return f"CPU ranks per node: {ranks} on {cpus} ({verdict})"
+
+
+def profile_cpus(scheduler: str, cpus_per_task: int, env: Mapping[str, str] | None = None) -> UsableCpus:
+    """The CPUs a rank of a profile may use: this process's own (a local profile, or inside a SLURM
+    job), else what the profile asks SLURM for per task."""
+    env = os.environ if env is None else env
+    if scheduler == "local" or env.get("SLURM_JOB_ID"):
+        return usable_cpus(env)
+    if cpus_per_task:
+        return UsableCpus(cpus_per_task, "slurm.cpus_per_task")
+    return UsableCpus(1, "slurm.cpus_per_task unset: SLURM's default of 1")
+
+
+def profile_rank_check(scheduler: str, cpus_per_task: int, env: Mapping[str, str] | None = None,
+                       ranks: int = CPU_PROFILE_RANKS_PER_NODE) -> tuple[str, str | None]:
+    """``plan`` and ``doctor`` on a CPU profile: (ranks against CPUs, the refusal or None)."""
+    usable = profile_cpus(scheduler, cpus_per_task, env)
+    return rank_line(ranks, usable), rank_problem(ranks, usable, "trainer.n_gpus_per_node")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from hpc_verl.errors import ConfigError
+from hpc_verl.util.cpus import CPU_PROFILE_RANKS_PER_NODE
 from hpc_verl.util.versions import version_tuple
 
 PLUGIN_MODULE = "hpc_verl.verl_upstream.cpu.plugin"
@@ -30,7 +31,7 @@ PLATFORM = "cpu"
 #: the verl series the CPU support was read from and run against
 CHECKED_SERIES = (0, 9)
 #: one trainer rank and one rollout replica per node: a CPU node is one "device"
-LOGICAL_GPUS_PER_NODE = 1
+LOGICAL_GPUS_PER_NODE = CPU_PROFILE_RANKS_PER_NODE
 #: vLLM-CPU's KV cache in bytes: without a size vLLM-CPU reserves ``gpu_memory_utilization``
 #: of the machine's memory (verl's default: half); 64 MiB hold one 2.5k-token sequence of a
 #: 0.5B model in fp32, plenty for a smoke run (``VLLM_CPU_KVCACHE_SPACE`` in GiB overrides it)

@@ -1,0 +1,91 @@
+"""Doctor's checks that need the job or the profile's trainer rule, beside the node checks of
+:mod:`hpc_verl.ops.doctor`.
+
+- ``head-ports``: from this node, do the head's published Ray ports answer? A firewall between
+  the nodes shows as a readiness barrier that times out naming a node and a port; run on that node
+  (``srun --jobid N --overlap -w NODE hpc-verl doctor --job-id N``), this says which port is closed
+  and how (dropped, refused, no route).
+- ``cpu-ranks``: on a CPU profile, the trainer's ranks per node against the CPUs a rank may use
+  (the rule the trainer's own check applies, :mod:`hpc_verl.util.cpus`).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpc_verl.bootstrap.netif import tcp_probe
+from hpc_verl.bootstrap.raydir import ray_dir, read_json
+
+if TYPE_CHECKING:
+    from hpc_verl.ops.doctor import CheckResult, Context, Expectations
+
+#: one connect attempt per port; a firewall that drops shows as no answer within this
+PROBE_S = 1.0
+
+
+def job_run_dir(job_id: int, env: dict[str, str]) -> tuple[str | None, str]:
+    """The job's run directory (where its Ray publishes the head's address), or (None, why not):
+    ``HPCV_RUN_DIR`` inside the job itself, else the job registry."""
+    from hpc_verl.errors import HpcVerlError
+    from hpc_verl.launch import registry
+
+    if env.get("HPCV_RUN_DIR") and env.get("SLURM_JOB_ID", str(job_id)) == str(job_id):
+        return env["HPCV_RUN_DIR"], "HPCV_RUN_DIR"
+    try:
+        rec = registry.find(str(job_id))
+    except HpcVerlError as exc:
+        return None, str(exc)
+    if not rec.run_dir:
+        return None, f"the registry's record of job {job_id} names no run directory"
+    return rec.run_dir, f"registry ({rec.job_dir})"
+
+
+def head_ports(head: dict[str, Any], head_state: dict[str, Any] | None) -> list[tuple[str, int]]:
+    """The head's ports other nodes connect to: its GCS and Ray client (``head.json``), and its
+    raylet's node and object manager (the head node's state, once its Ray runs). The dashboard is
+    left out: it listens on ``ray.dashboard_host``, often loopback, and no node needs it."""
+    ports = (head_state or {}).get("ports") or {}
+    wanted = [("GCS", head.get("gcs_port")), ("Ray client", head.get("client_port")),
+              ("node manager", ports.get("node_manager")), ("object manager", ports.get("object_manager"))]
+    return [(name, int(port)) for name, port in wanted if port]
+
+
+def check_head_ports(exp: "Expectations", ctx: "Context") -> "CheckResult":
+    from hpc_verl.ops.doctor import FAIL, OK, SKIP, CheckResult
+
+    name = "head-ports"
+    if ctx.job_id is None:
+        return CheckResult(name, SKIP, "no job id: pass --job-id N to check that this node reaches the job's head")
+    run_dir, source = job_run_dir(ctx.job_id, ctx.env)
+    if run_dir is None:
+        return CheckResult(name, SKIP, f"job {ctx.job_id}: cannot find its run directory ({source})")
+    head = read_json(ray_dir(run_dir) / "head.json")
+    if not head or not head.get("ip"):
+        return CheckResult(name, SKIP, f"job {ctx.job_id}'s head has not published its address yet "
+                           f"({Path(ray_dir(run_dir)) / 'head.json'} missing)")
+    ip = str(head["ip"])
+    closed, open_ = [], []
+    head_state = read_json(ray_dir(run_dir) / "nodes" / f"{head.get('node')}.json")
+    for what, port in head_ports(head, head_state if (head_state or {}).get("state") == "running" else None):
+        why = tcp_probe(ip, port, PROBE_S)
+        (open_ if why is None else closed).append(f"{what} {ip}:{port}" + ("" if why is None else f": {why}"))
+    here = ctx.node or ctx.env.get("SLURMD_NODENAME") or os.uname().nodename
+    head_node = head.get("node", "the head")
+    if closed:
+        return CheckResult(name, FAIL, f"from {here}, job {ctx.job_id}'s head ({head_node}) port closed: "
+                           + "; ".join(closed),
+                           f"allow TCP to {ip} port(s) {', '.join(c.split(':')[1] for c in closed)} from this node "
+                           "(the site firewall between the nodes), or set ray.port_base to a range it allows")
+    return CheckResult(name, OK, f"from {here}, job {ctx.job_id}'s head ({head_node}) answers: " + ", ".join(open_))
+
+
+def check_cpu_ranks(exp: "Expectations", ctx: "Context") -> "CheckResult":
+    from hpc_verl.ops.doctor import FAIL, OK, SKIP, CheckResult
+    from hpc_verl.util.cpus import profile_rank_check
+
+    name = "cpu-ranks"
+    if exp.accelerator != "none":
+        return CheckResult(name, SKIP, f"accelerator {exp.accelerator}: one rank per GPU")
+    line, problem = profile_rank_check(exp.scheduler, exp.cpus_per_task, ctx.env)
+    return CheckResult(name, FAIL, line, problem) if problem else CheckResult(name, OK, line)
