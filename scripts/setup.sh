@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${HPC_VERL_VENV:-.venv}"
-APT_PKGS=(slurm-wlm munge shellcheck podman runc iproute2 procps)
+APT_PKGS=(slurm-wlm munge shellcheck podman runc iproute2 procps nftables)
 # Docker for the docker test bed (the tests start a daemon of their own); a machine with Docker's own
 # packages (docker-ce) keeps them: Debian's docker.io conflicts with those
 if ! command -v dockerd >/dev/null 2>&1; then APT_PKGS+=(docker.io); fi
