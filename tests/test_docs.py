@@ -1,6 +1,7 @@
 """The docs this project owns stay in step with the code: the CLI reference is
-generated from the parsers, the troubleshooting page names every doctor check, and the
-commands of docs/from-verl.md run."""
+generated from the parsers, the troubleshooting page names every doctor check, the
+commands of docs/from-verl.md run, and every page says what it is for and speaks of the
+product only."""
 from __future__ import annotations
 
 import re
@@ -136,3 +137,51 @@ def test_from_verl_other_commands_are_real():
 def test_from_verl_is_linked_where_docs_are_listed():
     assert "docs/from-verl.md" in (REPO / "README.md").read_text()
     assert "(from-verl.md)" in (REPO / "docs" / "quickstart.md").read_text()
+
+
+# ---------------------------------------------------------------- every page
+_ORDINALS = "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
+_NOT_PRODUCT_TEXT = {
+    "a work-log heading": re.compile(rf"^#{{1,6}}\s+(?:{_ORDINALS})\b|^#{{1,6}}\s.*\bsessions?\b", re.I | re.M),
+    "an issue number": re.compile(r"\bissues?\s*#?\d+|(?<![\w&/#\"'])#\d+\b|\bPR\s*#?\d+", re.I),
+    "'held-out'": re.compile(r"\bheld[- ]out\b", re.I),
+    # "session" for a stretch of our work; a Ray session, an ssh session, a process's session and
+    # a pytest session fixture are product words and stay
+    "a work session": re.compile(rf"\b(?:{_ORDINALS}|this|that|last|next|previous|earlier|later|same|each|every|"
+                                 rf"work|working)[ -]sessions?\b|\bsessions?\s+\d+\b", re.I),
+}
+
+
+def _pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_pages_speak_of_the_product_only():
+    """No page mentions how the product was made: work-log headings ("Eighth ..."), issue or PR
+    numbers, work sessions, held-out runs. History lives in git."""
+    found = []
+    for page in _pages():
+        text = page.read_text()
+        for what, rx in _NOT_PRODUCT_TEXT.items():
+            for m in rx.finditer(text):
+                line = text.count("\n", 0, m.start()) + 1
+                found.append(f"{page.relative_to(REPO)}:{line}: {what}: {m.group(0)!r}")
+    assert not found, "\n".join(found)
+
+
+def test_the_product_text_check_catches_what_it_is_for():
+    bad = ["### Eighth session (issue 17): three runs", "## Fifth pass", "fixed in #29", "see issue 29",
+           "three held-out runs", "in the second session", "session 4 figures"]
+    good = ["a Ray session name", "in a session of its own", "a closed ssh session", "the session fixture",
+            "## Getting started", "see docs/slurm.md#upstream-verl", "&#123;"]
+    assert all(any(rx.search(t) for rx in _NOT_PRODUCT_TEXT.values()) for t in bad)
+    assert not any(rx.search(t) for t in good for rx in _NOT_PRODUCT_TEXT.values())
+
+
+def test_every_page_starts_by_saying_what_it_is_for():
+    """After the title, one or two lines of prose (not a heading, code, list or table)."""
+    for page in _pages():
+        lines = page.read_text().splitlines()
+        assert lines[0].startswith("# "), page
+        first = next(line for line in lines[1:] if line.strip())
+        assert not re.match(r"(#|```|\||- |\* |\d+\. |<!--)", first), f"{page.relative_to(REPO)}: {first!r}"
