@@ -26,15 +26,20 @@ OVERRIDES = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "data.train_batc
 def driver_log():
     """The trainer's log set-up writing to a buffer (a file, not a terminal: the job log's case)."""
     root = logging.getLogger("hpc_verl")
-    saved = (list(root.handlers), root.level)
+    saved = (list(root.handlers), root.level, root.propagate)
     root.handlers.clear()
     buf = io.StringIO()
     trainer_main._setup_logging(buf)
+    # a library that configures the root logger (logging.basicConfig) must not print ours again
+    other = logging.StreamHandler(buf)
+    logging.getLogger().addHandler(other)
     try:
         yield buf
     finally:
+        logging.getLogger().removeHandler(other)
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+        root.propagate = saved[2]
 
 
 @pytest.mark.parametrize("extra", [[], ["hpc_verl.light_nodes_in_rank0=false"]])

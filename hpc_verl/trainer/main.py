@@ -119,6 +119,7 @@ def _setup_logging(stream: Any = None) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    root.propagate = False   # printed here only, also where a library gave the root logger a handler
 
 
 def main(argv: Sequence[str] | None = None) -> int:
