@@ -6,8 +6,8 @@
 "Latest figures" tables of docs/benchmarks.md and the headline table of README.md from
 those files; a benchmark without a results file gets no row.
 
-    python benchmarks/figures.py           # rewrite both tables
-    python benchmarks/figures.py --check   # exit 1 when either is out of date (tests/test_figures.py)
+    .venv/bin/python benchmarks/figures.py           # rewrite both tables
+    .venv/bin/python benchmarks/figures.py --check   # exit 1 when either is out of date (tests/test_figures.py)
 """
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.check:
         for path in stale:
             print(f"figures: {path.relative_to(REPO)} is out of date with benchmarks/results/: "
-                  f"run python benchmarks/figures.py", file=sys.stderr)
+                  f"run .venv/bin/python benchmarks/figures.py", file=sys.stderr)
         return 1 if stale else 0
     for path in stale:
         path.write_text(pages[path])
