@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             result["ratio"] = result["throughput"]["ratio"]
         if not args.skip_sync:
             result["weight_sync"] = weight_sync(args, work, progress)
+    if result["ratio"] is None:   # why, as every report says it
+        result["refused"] = ("--skip-throughput: no throughput measured" if args.skip_throughput
+                             else "the sides' counted work differs (unequal work)")
     result = {"benchmark": "scale_out", "ratio": result["ratio"], **B.run_record(B.finish(env)),
               **{k: v for k, v in result.items() if k not in ("benchmark", "ratio")},
               "environment": {"python": env["python"], "versions": env["versions"]}}
