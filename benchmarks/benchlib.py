@@ -2,10 +2,12 @@
 
 The report has one fixed shape for every benchmark (``REPORT_KEYS``): a top-level
 ``ratio`` (ours over the strongest baseline in the run, or null when the run
-refused to give one, with the reason in ``refused``), what the ratio means, the
-per-row figures, the settings, and the machine (date, command, load average at
-the start and end and next to every figure, versions). Figures quoted in the docs
-come from such files.
+refused to give one, with the reason in ``refused``), the run's record at the top
+(``RECORD_KEYS``: the command, the commit measured, the date, the machine and the
+load average at the start and end; ``run_record``, which every benchmark's report
+takes), what the ratio means, the per-row figures (with the load next to each), the
+settings and the versions. The latest report of each benchmark is kept in
+``benchmarks/results/``; ``benchmarks/figures.py`` writes the docs' figures from them.
 """
 from __future__ import annotations
 
@@ -27,8 +29,12 @@ if str(REPO) not in sys.path:
 from hpc_verl.errors import HpcVerlError  # noqa: E402
 from hpc_verl.util.fs import atomic_write_text  # noqa: E402
 
-REPORT_KEYS = ("benchmark", "ratio", "ratio_definition", "baseline", "equal_work", "refused", "rows",
-               "settings", "environment", "notes")
+RECORD_KEYS = ("command", "commit", "date", "machine", "load")
+REPORT_KEYS = ("benchmark", "ratio", *RECORD_KEYS, "ratio_definition", "baseline", "equal_work", "refused",
+               "rows", "settings", "environment", "notes")
+# what environment() measures that a report carries in its record (run_record), not in "environment"
+_RECORDED = ("command", "commit", "date_utc", "host", "cpus", "cpus_usable", "cpu_model", "loadavg_start",
+             "loadavg_end")
 ROW_KINDS = ("ours", "baseline", "reference", "lower_bound", "extra")
 
 
@@ -126,13 +132,34 @@ def source_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's answer elsewhere), None if unknown."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def command_line() -> str:
+    """How this run was started, as a command to paste from the checkout's root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        shown = str(script.relative_to(REPO))
+    except ValueError:
+        shown = script.name
+    return " ".join(shlex.quote(a) for a in ["python", shown, *sys.argv[1:]])
+
+
 def environment(packages: Iterable[str] = ("torch", "ray")) -> dict[str, Any]:
     """The machine at the start of a run (``finish`` adds the end)."""
     return {"date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "commit": source_commit(),
-            "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "commit": source_commit(), "command": command_line(),
             "host": platform.node(), "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-            "python": platform.python_version(), "versions": versions(packages),
+            "cpu_model": cpu_model(), "python": platform.python_version(), "versions": versions(packages),
             "loadavg_start": loadavg(), "loadavg_end": None}
 
 
@@ -141,15 +168,35 @@ def finish(env: dict[str, Any]) -> dict[str, Any]:
     return env
 
 
+def run_record(env: Mapping[str, Any]) -> dict[str, Any]:
+    """The top of every benchmark's ``--json`` report (``RECORD_KEYS``), from ``environment()``
+    after ``finish()``: the command, the commit it measured, the date (UTC), the machine (cores
+    this run could use, CPUs, CPU model, host) and the 1/5/15-minute load average at the start
+    and the end."""
+    return {"command": env.get("command"), "commit": env.get("commit"), "date": env.get("date_utc"),
+            "machine": {"cores": env.get("cpus_usable"), "cpus": env.get("cpus"), "cpu_model": env.get("cpu_model"),
+                        "host": env.get("host")},
+            "load": {"start": env.get("loadavg_start"), "end": env.get("loadavg_end")}}
+
+
+def record_of(report: Mapping[str, Any]) -> dict[str, Any]:
+    """A report's record (``RECORD_KEYS``). A report written before the record moved to the top
+    has it in its ``environment``; what such a run did not record (the CPU model) stays None."""
+    if all(k in report for k in RECORD_KEYS):
+        return {k: report[k] for k in RECORD_KEYS}
+    return run_record(report.get("environment") or {})
+
+
 def make_report(benchmark: str, *, ratio: float | None, ratio_definition: str, baseline: str | None,
                 rows: list[dict], settings: Mapping[str, Any], env: dict[str, Any],
                 equal_work_ok: bool | None = None, refused: str | None = None,
                 notes: Sequence[str] = ()) -> dict[str, Any]:
     """The report every benchmark writes (validated here, so a bad shape fails before anything is written)."""
     report = {"benchmark": benchmark, "ratio": None if ratio is None else round(float(ratio), 4),
+              **run_record(env),
               "ratio_definition": ratio_definition, "baseline": baseline, "equal_work": equal_work_ok,
-              "refused": refused, "rows": rows, "settings": dict(settings), "environment": env,
-              "notes": list(notes)}
+              "refused": refused, "rows": rows, "settings": dict(settings),
+              "environment": {k: v for k, v in env.items() if k not in _RECORDED}, "notes": list(notes)}
     validate_report(report)
     return report
 
@@ -172,9 +219,20 @@ def validate_report(report: Mapping[str, Any]) -> None:
     for row in report["rows"]:
         if not isinstance(row, dict) or not row.get("name") or row.get("kind") not in ROW_KINDS:
             raise BenchError(f"row {row!r}: needs a name and a kind in {ROW_KINDS}")
-    for key in ("date_utc", "command", "loadavg_start"):
-        if key not in report["environment"]:
-            raise BenchError(f"report environment lacks {key}")
+    validate_record(report)
+
+
+def validate_record(report: Mapping[str, Any]) -> None:
+    """Raise BenchError unless the report says what ran, when, at which commit, where and at what load."""
+    for key in ("command", "date"):
+        if not isinstance(report.get(key), str) or not report[key]:
+            raise BenchError(f"report lacks its {key}")
+    if "commit" not in report:
+        raise BenchError("report lacks its commit (null only outside a git checkout)")
+    if not isinstance(report.get("machine"), Mapping) or not report["machine"].get("cores"):
+        raise BenchError("report lacks its machine (cores, CPU model)")
+    if not isinstance(report.get("load"), Mapping) or report["load"].get("start") is None:
+        raise BenchError("report lacks the load at its start")
 
 
 def write_report(path: str | os.PathLike[str] | None, report: Mapping[str, Any]) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -283,13 +282,11 @@ def report(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     from rich.progress import Progress
 
+    from benchmarks import benchlib as B
+
     args = parse_args(argv)
-    result: dict[str, Any] = {"benchmark": "scale_out", "ratio": None,
-                              "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg(),
-                                          "python": platform.python_version()},
-                              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:]}
-    import torch
-    result["machine"]["torch"] = torch.__version__
+    env = B.environment(("torch", "ray"))
+    result: dict[str, Any] = {"benchmark": "scale_out", "ratio": None}
     with tempfile.TemporaryDirectory(prefix="hpcv-scale-") as tmp, Progress() as progress:
         work = Path(tmp)
         if not args.skip_throughput:
@@ -297,7 +294,13 @@ def main(argv: list[str] | None = None) -> int:
             result["ratio"] = result["throughput"]["ratio"]
         if not args.skip_sync:
             result["weight_sync"] = weight_sync(args, work, progress)
-    result["machine"]["load_avg_end"] = os.getloadavg()
+    if result["ratio"] is None:   # why, as every report says it
+        result["refused"] = ("--skip-throughput: no throughput measured" if args.skip_throughput
+                             else "the sides' counted work differs (unequal work)")
+    result = {"benchmark": "scale_out", "ratio": result["ratio"], **B.run_record(B.finish(env)),
+              **{k: v for k, v in result.items() if k not in ("benchmark", "ratio")},
+              "environment": {"python": env["python"], "versions": env["versions"]}}
+    B.validate_record(result)
     report(result)
     if args.json:
         from hpc_verl.util.fs import atomic_write_json

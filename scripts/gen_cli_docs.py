@@ -19,14 +19,15 @@ sys.path.insert(0, str(REPO))
 
 HEADER = """# CLI reference
 
-`hpc-verl VERB [options]`. Every user error is one line on stderr and exit
-status 2; `doctor` exits 1 when a check FAILs. Profiles are looked up by name on
-the search path (`./cluster_profiles`, the user directory,
-`$HPC_VERL_PROFILE_PATH`, the shipped ones) or given as a path to a `.yaml`
-file; `--set key=value` overrides a profile value for one command.
+Every verb and option of `hpc-verl VERB [options]`, with examples. This file is
+generated from the parsers by `scripts/gen_cli_docs.py` (the tests fail when it
+is stale); the examples are kept in that script.
 
-This file is generated from the parsers by `scripts/gen_cli_docs.py` (the
-tests fail when it is stale). Examples are kept in that script.
+Every user error is one line on stderr and exit status 2; `doctor` exits 1 when
+a check FAILs. Profiles are looked up by name on the search path
+(`./cluster_profiles`, the user directory, `$HPC_VERL_PROFILE_PATH`, the shipped
+ones) or given as a path to a `.yaml` file; `--set key=value` overrides a
+profile value for one command.
 """
 
 # Hand-written examples per verb (shown under the verb's help).

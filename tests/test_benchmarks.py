@@ -122,6 +122,27 @@ def test_report_has_the_fixed_shape_and_writes_atomically(tmp_path):
     assert not (tmp_path / "bad.json").exists() and [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
+def test_every_report_starts_with_its_record():
+    """command, commit, date, machine and load at the top of every benchmark's report (one helper,
+    benchlib.run_record: the make_report benchmarks and scale_out alike)."""
+    rep = _report()
+    assert list(rep)[2:7] == list(B.RECORD_KEYS)
+    assert rep["command"].startswith("python ") and rep["date"].endswith("Z") and rep["commit"]
+    assert rep["machine"]["cores"] >= 1 and "cpu_model" in rep["machine"] and rep["load"]["start"]
+    assert not set(rep["environment"]) & {"command", "commit", "date_utc", "loadavg_start"}
+    assert B.record_of(rep) == {k: rep[k] for k in B.RECORD_KEYS}
+    legacy = {"ratio": 2.0, "environment": {"date_utc": "d", "commit": "c", "command": "x.py", "cpus": 2,
+                                            "cpus_usable": 2, "loadavg_start": [1.0], "loadavg_end": [2.0]}}
+    old = B.record_of(legacy)   # a report written when the record was under "environment"
+    assert (old["command"], old["commit"], old["date"], old["machine"]["cores"]) == ("x.py", "c", "d", 2)
+    assert old["machine"]["cpu_model"] is None and old["load"] == {"start": [1.0], "end": [2.0]}
+    for key in ("command", "date"):
+        with pytest.raises(B.BenchError, match=f"lacks its {key}"):
+            B.validate_report(dict(rep, **{key: None}))
+    src = (REPO / "benchmarks" / "scale_out.py").read_text()
+    assert "B.run_record(" in src and "B.validate_record(" in src
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(ratio=2.0, refused="work differs"), "must not carry one"),
     (dict(ratio=2.0, equal_work_ok=False), "no ratio may be given"),

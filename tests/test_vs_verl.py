@@ -110,7 +110,7 @@ def _run(side, rep, counts, foreign=0.01, sps=10.0):
 
 
 def _env():
-    return {"date_utc": "x", "command": "x", "loadavg_start": [0.0], "versions": {}}
+    return {"date_utc": "x", "command": "x", "commit": "x", "cpus_usable": 2, "loadavg_start": [0.0], "versions": {}}
 
 
 def test_report_gives_ratios_only_at_equal_work_on_a_quiet_machine():

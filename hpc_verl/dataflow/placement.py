@@ -106,28 +106,33 @@ class PlacementPlan:
                 "bundles": [asdict(b) for b in self.bundles], "groups": self.groups(),
                 "decisions": list(self.decisions)}
 
-    def __str__(self) -> str:
+    def describe(self, decisions: bool = True) -> str:
+        """The plan as short lines a person reads in a log (a list, no wide table): the worker
+        groups with their ranks, the routed instances, and (``decisions``) the plan's decisions.
+        A scheduler logs each decision once as it makes it, so its plan log leaves them out."""
         lines = [f"Placement plan for graph '{self.graph}': {len(self.instances)} instances in "
                  f"{len(self.processes())} processes, {len(self.bundles)} bundles"]
         for name, g in self.groups().items():
             lines.append(f"  worker group {name}: world size {g['world_size']}, one process per rank hosts "
                          f"{', '.join(g['nodes'])}")
-            lines.append(f"    {'rank':<6} {'ray node':<28} {'GPU slots':<10} bundle")
             for r in g["ranks"]:
                 gpus = ",".join(map(str, r["gpu_slots"])) or "-"
-                lines.append(f"    {r['rank']:<6} {r['ray_node']:<28} {gpus:<10} {r['bundle']}")
+                lines.append(f"    - rank {r['rank']} on node {r['ray_node']}, GPU slots {gpus}, bundle {r['bundle']}")
         routed = sorted((i for i in self.instances.values() if i.group is None), key=lambda i: (i.node, i.index))
         if routed:
-            lines.append(f"  routed instances:")
-            lines.append(f"    {'instance':<24} {'ray node':<28} {'GPU slots':<10} {'stage':<6} bundle")
+            lines.append("  routed instances:")
             for inst in routed:
                 gpus = ",".join(map(str, inst.gpu_slots)) or "-"
-                stage = "-" if inst.stage is None else str(inst.stage)
+                stage = "" if inst.stage is None else f", stage {inst.stage}"
                 shared = f" (in process {inst.process})" if inst.process != inst.instance_id else ""
-                lines.append(f"    {inst.instance_id:<24} {inst.ray_node_name:<28} {gpus:<10} {stage:<6} "
-                             f"{inst.bundle}{shared}")
-        lines.extend(self.decisions)
+                lines.append(f"    - {inst.instance_id} on node {inst.ray_node_name}, GPU slots {gpus}{stage}, "
+                             f"bundle {inst.bundle}{shared}")
+        if decisions:
+            lines.extend(self.decisions)
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
 
 
 class _NodeState:

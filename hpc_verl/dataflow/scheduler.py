@@ -80,6 +80,15 @@ class HybridScheduler:
         self._total = total
         return make_plan(self.graph, free, total=total)
 
+    def _place(self) -> PlacementPlan:
+        """Plan on the cluster and keep the plan; each of its decisions is logged here, once
+        (the plan's text in the driver's log leaves them out: ``PlacementPlan.describe``)."""
+        plan = self.plan()
+        self._plan = plan
+        for line in plan.decisions:
+            self._decide(line)
+        return plan
+
     @property
     def placement(self) -> PlacementPlan | None:
         """The plan ``start()`` placed the graph by (None before it)."""
@@ -124,10 +133,7 @@ class HybridScheduler:
             return self
         if not ray.is_initialized():
             raise DataflowError("HybridScheduler.start(): Ray is not initialised; call ray.init(address=...) first")
-        plan = self.plan()
-        self._plan = plan
-        for line in plan.decisions:
-            self._decide(line)
+        plan = self._place()
         try:
             name = raycluster.hub_name(self.graph.name)
             try:

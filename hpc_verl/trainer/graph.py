@@ -267,7 +267,12 @@ class DataflowRunner:
             for name, node in build_ppo_graph(cfg, total_steps).nodes.items():
                 self.sched.set_init_args(name, *node.init_args, **node.init_kwargs)
         self.sched.start()
-        log.info("dataflow plan:\n%s", self.sched.placement)  # (the one start() placed by; planned once)
+        self.log_placement()
+
+    def log_placement(self) -> None:
+        """The plan start() placed the graph by (planned once), without its decisions: the
+        scheduler logged each of them as it made it."""
+        log.info("dataflow plan:\n%s", self.sched.placement.describe(decisions=False))
 
     @staticmethod
     def _scheduler(cfg: Mapping, total_steps: int) -> Any:

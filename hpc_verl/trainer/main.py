@@ -100,18 +100,26 @@ def check_cpu_ranks(cfg: Any, refuse: bool = True) -> str | None:
     return cpu_util.rank_line(ranks, usable)
 
 
-def _setup_logging() -> None:
+def _setup_logging(stream: Any = None) -> None:
+    """The driver's log on ``stream`` (stdout, with the step lines): on a terminal through rich
+    (wrapped to the terminal's width); in a file or pipe (a job's log) one plain line per record,
+    never wrapped at 80 columns, so a log reads and greps as it was written."""
     root = logging.getLogger("hpc_verl")
     if root.handlers:
         return
-    try:
+    stream = sys.stdout if stream is None else stream
+    handler: logging.Handler
+    if stream.isatty():
+        from rich.console import Console
         from rich.logging import RichHandler
-        handler: logging.Handler = RichHandler(show_path=False, console=None)
-    except ImportError:  # pragma: no cover
-        handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
+        handler = RichHandler(show_path=False, console=Console(file=stream))
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    root.propagate = False   # printed here only, also where a library gave the root logger a handler
 
 
 def main(argv: Sequence[str] | None = None) -> int:
