@@ -11,7 +11,10 @@ an error instead of a hang.
 Tensor transport (``send_buckets`` / ``recv_buckets``): the sender streams
 ``(name, tensor)`` pairs, cast to the receivers' dtype, into buckets of about
 ``bucket_bytes``; each bucket is three broadcasts (a header, the names and
-shapes, the bytes), so at most one bucket is in flight on any rank.
+shapes, the bytes), so at most one bucket is in flight on any rank. Each tensor starts at a
+multiple of ``ALIGN_BYTES`` in the bucket (zero padding between them): a receiver views its
+bytes as the tensor's dtype in place, which needs an offset aligned to that dtype (a 2-byte
+tensor of odd length before an int64 one would break it).
 """
 from __future__ import annotations
 
@@ -22,6 +25,11 @@ from typing import Any, Iterable, Iterator
 
 PORT_RANGE_ENV = "HPC_VERL_DIST_PORTS"
 DEFAULT_BUCKET_BYTES = 64 * 2**20
+ALIGN_BYTES = 16   # covers every dtype's alignment (complex128 is the widest)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def resolve_backend(backend: str) -> str:
@@ -126,8 +134,13 @@ def _send_one(pg: Any, bucket: list[tuple[str, Any]], device: Any, last: bool) -
     import torch
 
     meta = pickle.dumps([(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in bucket])
-    flat = (torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket]) if bucket
-            else torch.zeros(0, dtype=torch.uint8, device=device))
+    parts = []
+    for _, t in bucket:
+        raw = t.reshape(-1).view(torch.uint8)
+        parts.append(raw)
+        if _padded(raw.numel()) > raw.numel():
+            parts.append(torch.zeros(_padded(raw.numel()) - raw.numel(), dtype=torch.uint8, device=raw.device))
+    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
     header = torch.tensor([len(meta), flat.numel(), int(last)], dtype=torch.int64, device=device)
     _bcast(pg, header)
     _bcast(pg, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
@@ -158,6 +171,6 @@ def recv_buckets(pg: Any, device: Any) -> Iterator[tuple[str, Any]]:
                 numel *= d
             nbytes = numel * torch.empty((), dtype=dtype).element_size()
             yield name, flat[offset:offset + nbytes].view(dtype).reshape(shape)
-            offset += nbytes
+            offset += _padded(nbytes)
         if last:
             return
