@@ -1,15 +1,28 @@
-"""Scale-out of the built-in trainer on CPU: W=1 against W=2 data-parallel ranks, and the cost
-of the actor -> rollout weight sync against model size.
+"""Scale-out of the built-in trainer on CPU: strong-scaling efficiency of W=2 data-parallel ranks
+against one rank, and the cost of the actor -> rollout weight sync against model size.
 
 Throughput: the same PPO job (GRPO on the digit task, responses forced to
-``--response-length`` tokens with rollout.ignore_eos, the same global batch and
-mini-batches) at W=1 with ``--threads`` torch threads and at W=2 with
-``--threads / 2`` each, so both sides use the same total CPU threads. Each run is a
-fresh ``hpc-verl train`` process; sides alternate, ``--repeats`` runs each; a run's
-figure is the median samples/s over its steps after ``--warmup``; the table shows
-the median and spread over runs. The trainer's own counters (sequences through a
-forward and a backward, optimizer steps, generated tokens) are printed per side and
-a ratio is refused if they differ.
+``--response-length`` tokens with rollout.ignore_eos, the same global batch and mini-batches)
+on three sides, each a fresh ``hpc-verl train`` process:
+
+- ``W=1, 1 pinned core``: one rank, one torch thread, its process pinned to one core
+  (``hpc_verl.pin_cpus``): the denominator;
+- ``W=2, 1 pinned core each``: two ranks, one thread each, rank r pinned to core r;
+- ``W=1, 2 threads``: one rank with two intra-op threads on both cores: the alternative to
+  data parallelism on one machine, a labelled row (two 1-thread processes do about twice the
+  GEMM work of one 1-thread process here; one 2-thread process does less), never the ratio.
+
+The figure is strong-scaling efficiency, T1 / (W x T_W) = samples/s at W=2 over twice those
+of W=1 (``"ratio"``). Sides alternate, ``--repeats`` runs each (median and interquartile
+range). Both sides run a GRPO group's prompt once per group (prompt sharing, also under DDP),
+and the trainer's counters (rows through a forward and a backward, optimizer steps,
+generated tokens, tokens in the batches) are printed per side; a ratio is refused if they
+differ. Each run's foreign CPU load (CPU time on the two cores that the run's own processes
+did not spend, read from /proc) is measured; a run over ``--max-foreign-load`` cores is
+marked and left out, and the ratio is refused without 3 clean runs a side. The default shape
+is one where compute dominates: 128 responses of 32 tokens a step on a 4-layer, 256-wide model
+(about 5 GFLOP of forward and backward a rank per optimizer step against a 10 MB gradient
+all-reduce).
 
 Weight sync: the real transports of the runtime (``send_control(TENSORS)``) for
 models of ``--sync-hidden`` sizes: colocated (actor and rollout in one process: an
@@ -17,7 +30,7 @@ in-place copy) and separate groups (a bucketed gloo broadcast from the actor's r
 0 to the rollout replica), each against its floor measured in the same run: one
 memcpy of the same bytes, one gloo broadcast of one flat buffer of the same bytes.
 
-    .venv/bin/python benchmarks/scale_out.py --json scale_out.json
+    .venv/bin/python benchmarks/scale_out.py --json benchmarks/results/scale_out.json
 """
 from __future__ import annotations
 
@@ -35,28 +48,32 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-COUNT_KEYS = ("perf/fwd_rows", "perf/bwd_rows", "perf/optim_steps", "perf/gen_tokens")
+COUNT_KEYS = ("perf/fwd_rows", "perf/bwd_rows", "perf/optim_steps", "perf/gen_tokens", "n_total_tokens")
+W1, W2, INTRA = "W=1, 1 pinned core", "W=2, 1 pinned core each", "W=1, 2 threads (intra-op alternative)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON (top-level 'ratio': W=2 over W=1)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per side (>= 3 for a median)")
+    p.add_argument("--repeats", type=int, default=5, help="runs per side, order alternated (>= 3 for a median)")
     p.add_argument("--steps", type=int, default=6, help="training steps per run")
     p.add_argument("--warmup", type=int, default=2, help="first steps of a run left out of its figure")
-    p.add_argument("--threads", type=int, default=2, help="total torch threads per side (W=2: half each)")
     p.add_argument("--hidden", type=int, default=256, help="model hidden size (throughput)")
     p.add_argument("--layers", type=int, default=4, help="model layers (throughput)")
     p.add_argument("--prompts", type=int, default=16, help="prompts per step (data.train_batch_size)")
     p.add_argument("--group", type=int, default=8, help="responses per prompt (rollout.n)")
-    p.add_argument("--response-length", type=int, default=16, help="tokens per response (forced)")
+    p.add_argument("--response-length", type=int, default=32, help="tokens per response (forced)")
+    p.add_argument("--max-foreign-load", type=float, default=0.10,
+                   help="cores of foreign CPU load above which a run is left out (read from /proc)")
     p.add_argument("--sync-hidden", default="64,256,1024", help="hidden sizes for the weight-sync sweep (2 layers)")
     p.add_argument("--sync-repeats", type=int, default=5, help="syncs timed per size and mode")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-sync", action="store_true")
     args = p.parse_args(argv)
-    if args.repeats < 1 or args.steps <= args.warmup or args.threads < 2 or args.threads % 2:
-        p.error("need --repeats >= 1, --steps > --warmup and an even --threads >= 2")
+    if args.repeats < 1 or args.steps <= args.warmup:
+        p.error("need --repeats >= 1 and --steps > --warmup")
+    if len(os.sched_getaffinity(0)) < 2:
+        p.error("needs two CPUs (one pinned core per rank)")
     try:
         args.sync_sizes = [int(x) for x in args.sync_hidden.split(",") if x.strip()]
     except ValueError:
@@ -84,59 +101,86 @@ def _overrides(args: argparse.Namespace, model: Path, data: Path, run_dir: Path)
             f"hpc_verl.run_dir={run_dir}", "hpc_verl.progress=false"]
 
 
-def run_side(args: argparse.Namespace, world: int, model: Path, data: Path, work: Path, tag: str,
-             threads: int | None = None) -> dict[str, Any]:
-    """One fresh trainer process at ``world`` ranks of ``threads`` torch threads each; its per-step figures."""
+def run_side(args: argparse.Namespace, world: int, threads: int, pins: list[int] | None, model: Path, data: Path,
+             work: Path, tag: str, cpus: list[int]) -> dict[str, Any]:
+    """One fresh trainer process: ``world`` ranks of ``threads`` torch threads, pinned or not; its
+    per-step figures and the foreign CPU load on ``cpus`` while it ran."""
+    from benchmarks import proctree
+
     run_dir = work / f"run-{tag}"
-    threads = threads or args.threads // world
     cmd = [sys.executable, "-m", "hpc_verl", "train", "--no-progress",
            *_overrides(args, model, data, run_dir), f"trainer.n_gpus_per_node={world}",
-           f"hpc_verl.torch_threads={threads}"]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+           f"hpc_verl.torch_threads={threads}"] + ([f"hpc_verl.pin_cpus={pins}"] if pins else [])
+    mark = proctree.tag_env()
+    env = dict(os.environ, PYTHONPATH=str(REPO), **mark)
     env.pop("RAY_ADDRESS", None)
+    sampler = proctree.TreeSampler(mark[proctree.TAG], cpus)
+    sampler.start()
+    t0 = time.monotonic()
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    elapsed = time.monotonic() - t0
+    seen = sampler.stop()
+    proctree.kill_leftovers(mark[proctree.TAG])
     if res.returncode != 0:
         raise SystemExit(f"scale_out: the W={world} run failed ({res.returncode}): {res.stderr.strip()[-600:]}")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steady = recs[args.warmup:]
     rates = [r["n_responses"] / r["timing_s/step"] for r in steady]
-    return {"world": world, "threads_per_rank": threads, "samples_per_s": statistics.median(rates),
-            "step_s": statistics.median(r["timing_s/step"] for r in steady),
+    phases = {k: statistics.median(r[k] for r in steady) for k in steady[0]
+              if k.startswith("timing_s/update_actor/") or k == "perf/rank_imbalance"}
+    return {"world": world, "threads_per_rank": threads, "pinned": pins, "samples_per_s": statistics.median(rates),
+            "step_s": statistics.median(r["timing_s/step"] for r in steady), "phases": phases,
+            "foreign_cores": round(seen["foreign_cpu_s"] / max(elapsed, 1e-9), 3),
             "counts": {k: sum(int(r.get(k, 0)) for r in steady) for k in COUNT_KEYS}}
 
 
+def _iqr(values: list[float]) -> list[float]:
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return [round(q[0], 2), round(q[2], 2)]
+
+
 def throughput(args: argparse.Namespace, work: Path, progress: Any) -> dict[str, Any]:
+    from benchmarks import benchlib as B
     from hpc_verl.data.preprocess import preprocess_digits
 
     model = _model(work, args.hidden, args.layers)
     data = work / "digits"
     if not data.exists():
         preprocess_digits(data, n_train=256, n_test=16, seed=0)
-    # the two sides, and a labelled reference row: W=1 on one thread (is W=1 at --threads slower than
-    # on one? then its threads oversubscribe the machine, and the ratio says more about that than about DP)
-    names = {"W=1": (1, None), "W=2": (2, None), "W=1, 1 thread (reference)": (1, 1)}
-    runs: dict[str, list[dict]] = {n: [] for n in names}
-    task = progress.add_task("throughput runs", total=len(names) * args.repeats)
-    for r in range(args.repeats):
-        order = list(names) if r % 2 == 0 else list(reversed(names))   # order alternated
-        for name in order:
-            world, threads = names[name]
-            runs[name].append(run_side(args, world, model, data, work, f"{r}-{len(runs[name])}-w{world}", threads))
-            progress.advance(task)
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    sides = {W1: (1, 1, [cpus[0]]), W2: (2, 1, cpus), INTRA: (1, 2, None)}
+    runs: dict[str, list[dict]] = {n: [] for n in sides}
+    task = progress.add_task("throughput runs", total=len(sides) * args.repeats)
+    for r, name in B.alternating(list(sides), args.repeats):
+        world, threads, pins = sides[name]
+        runs[name].append(run_side(args, world, threads, pins, model, data, work, f"{r}-w{world}-t{threads}", cpus))
+        progress.advance(task)
     counts = {n: rs[0]["counts"] for n, rs in runs.items()}
-    equal = all(run["counts"] == counts["W=1"] for rs in runs.values() for run in rs)
-    sides = {}
+    equal = all(run["counts"] == counts[W1] for rs in runs.values() for run in rs)
+    out_sides = {}
     for n, rs in runs.items():
-        rates = [x["samples_per_s"] for x in rs]
-        sides[n] = {"samples_per_s_median": statistics.median(rates), "samples_per_s_runs": rates,
-                    "spread": max(rates) - min(rates), "threads_per_rank": rs[0]["threads_per_rank"],
-                    "counts": counts[n]}
-    ratio = sides["W=2"]["samples_per_s_median"] / sides["W=1"]["samples_per_s_median"] if equal else None
-    from hpc_verl.trainer.model import make_tiny_model  # noqa: F401  (model size for the record)
-    n_params = _param_count(model)
-    return {"ratio": ratio, "equal_work": equal, "sides": sides, "model": {"hidden": args.hidden,
-            "layers": args.layers, "params": n_params}, "batch": {"prompts": args.prompts, "group": args.group,
-            "response_tokens": args.response_length}, "steps_measured": args.steps - args.warmup}
+        clean = [x for x in rs if x["foreign_cores"] <= args.max_foreign_load]
+        rates = [x["samples_per_s"] for x in clean]
+        out_sides[n] = {"samples_per_s_median": statistics.median(rates) if rates else None,
+                        "samples_per_s_iqr": _iqr(rates) if rates else None,
+                        "samples_per_s_runs": [x["samples_per_s"] for x in rs],
+                        "foreign_cores_runs": [x["foreign_cores"] for x in rs], "clean_runs": len(clean),
+                        "threads_per_rank": rs[0]["threads_per_rank"], "pinned": rs[0]["pinned"],
+                        "phases_median": {k: statistics.median(x["phases"][k] for x in rs)
+                                          for k in rs[0]["phases"]},
+                        "counts": counts[n]}
+    enough = all(out_sides[n]["clean_runs"] >= min(3, args.repeats) for n in (W1, W2))
+    ratio = (out_sides[W2]["samples_per_s_median"] / (2 * out_sides[W1]["samples_per_s_median"])
+             if equal and enough else None)
+    why = None if ratio is not None else ("the sides' counted work differs (unequal work)" if not equal else
+                                          f"fewer than 3 runs a side under {args.max_foreign_load} cores of "
+                                          "foreign CPU load")
+    return {"ratio": ratio, "refused": why, "equal_work": equal, "sides": out_sides,
+            "ratio_definition": "strong-scaling efficiency: W=2 samples/s / (2 x W=1 samples/s), one pinned core "
+                                "per rank", "max_foreign_load_cores": args.max_foreign_load,
+            "model": {"hidden": args.hidden, "layers": args.layers, "params": _param_count(model)},
+            "batch": {"prompts": args.prompts, "group": args.group, "response_tokens": args.response_length},
+            "steps_measured": args.steps - args.warmup}
 
 
 def _param_count(model: Path) -> int:
@@ -253,20 +297,33 @@ def report(result: dict[str, Any]) -> None:
     if tp:
         t = Table(title=f"Throughput, {tp['model']['params'] / 1e6:.1f}M-parameter model, "
                         f"{tp['batch']['prompts']}x{tp['batch']['group']} responses of "
-                        f"{tp['batch']['response_tokens']} tokens, same total threads")
-        for col in ("side", "threads/rank", "samples/s (median)", "spread", "runs", "fwd rows", "bwd rows",
-                    "optim steps", "gen tokens"):
+                        f"{tp['batch']['response_tokens']} tokens")
+        for col in ("side", "samples/s", "IQR", "runs", "foreign cores", *(k.split("/")[-1] for k in COUNT_KEYS)):
             t.add_column(col)
         for name, side in tp["sides"].items():
             c = side["counts"]
-            t.add_row(name, str(side["threads_per_rank"]), f"{side['samples_per_s_median']:.1f}",
-                      f"{side['spread']:.1f}", ", ".join(f"{x:.1f}" for x in side["samples_per_s_runs"]),
-                      *(str(c[k]) for k in COUNT_KEYS))
+            med = side["samples_per_s_median"]
+            t.add_row(name, "-" if med is None else f"{med:.1f}",
+                      "-" if side["samples_per_s_iqr"] is None else "-".join(f"{x:.1f}" for x in side["samples_per_s_iqr"]),
+                      ", ".join(f"{x:.1f}" for x in side["samples_per_s_runs"]),
+                      ", ".join(f"{x:.2f}" for x in side["foreign_cores_runs"]), *(str(c[k]) for k in COUNT_KEYS))
         console.print(t)
+        ph = Table(title="Where an update goes (medians of the runs; the slowest rank's, and the fastest's)")
+        for col in ("side", "forward s", "backward s", "allreduce s", "optimizer s", "rank imbalance"):
+            ph.add_column(col)
+        for name, side in tp["sides"].items():
+            m = side["phases_median"]
+
+            def cell(phase: str) -> str:
+                k = f"timing_s/update_actor/{phase}"
+                return f"{m[k]:.3f} / {m[k + '_min']:.3f}" if k in m else "-"
+            ph.add_row(name, *(cell(x) for x in ("forward", "backward", "allreduce", "optimizer")),
+                       f"{m.get('perf/rank_imbalance', 1.0):.2f}")
+        console.print(ph)
         if tp["ratio"] is None:
-            console.print("[red]counts differ between the sides: no ratio (unequal work)[/red]")
+            console.print(f"[red]no ratio: {tp['refused']}[/red]")
         else:
-            console.print(f"ratio W=2 / W=1 samples/s: [bold]{tp['ratio']:.2f}[/bold]")
+            console.print(f"strong-scaling efficiency at W=2 (one pinned core a rank): [bold]{tp['ratio']:.2f}[/bold]")
     rows = result.get("weight_sync")
     if rows:
         t = Table(title="Weight sync actor -> rollout (the runtime's transports) against their floors")
@@ -296,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             result["weight_sync"] = weight_sync(args, work, progress)
     if result["ratio"] is None:   # why, as every report says it
         result["refused"] = ("--skip-throughput: no throughput measured" if args.skip_throughput
-                             else "the sides' counted work differs (unequal work)")
+                             else result["throughput"]["refused"])
     result = {"benchmark": "scale_out", "ratio": result["ratio"], **B.run_record(B.finish(env)),
               **{k: v for k, v in result.items() if k not in ("benchmark", "ratio")},
               "environment": {"python": env["python"], "versions": env["versions"]}}

@@ -3,7 +3,8 @@ W=2 ranks (a real torch.distributed group over gloo, two Ray actors) gives the s
 W=1 on the same batch, to 1e-5, for DDP and for FSDP2 (``fully_shard``, which runs on CPU
 here). The batch has two mini-batches, two PPO epochs with shuffling and micro-batches of one
 row (gradient accumulation), and responses of different lengths (the loss is normalised by the
-mini-batch's global token count).
+mini-batch's global token count). A grouped batch (GRPO: each prompt twice, in order, micro-batches
+of two) has both sides run each group's prompt once (prompt sharing, under DDP as under FSDP2).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Roles:
         lp, _ = self.actor.compute_log_prob(dict(batch))
         out = {k: v for k, v in {**a, **c}.items() if k != "counts"}
         out["old_log_prob_after"] = lp["old_log_prob"]
+        out["share_prompts"] = self.actor.share_prompts
         out["counts"] = (a["counts"], c["counts"])
         return out
 
@@ -47,12 +49,15 @@ class Roles:
                 "critic": {n: t.clone() for n, t in self.critic.export_tensors()}}
 
 
-def _batch(vocab: int) -> dict:
+def _batch(vocab: int, grouped: bool = False) -> dict:
     g = torch.Generator().manual_seed(7)
     n, plen, rlen = 8, 5, 4
     ids = torch.randint(8, vocab, (n, plen + rlen), generator=g)
     attn = torch.ones(n, plen + rlen, dtype=torch.long)
     attn[::3, :2] = 0                      # some left padding
+    if grouped:                            # GRPO groups of two: each prompt twice, one after the other
+        ids[1::2, :plen] = ids[0::2, :plen]
+        attn[1::2, :plen] = attn[0::2, :plen]
     resp_mask = torch.ones(n, rlen)
     resp_mask[1, 2:] = 0                   # responses of different lengths
     resp_mask[4, 1:] = 0
@@ -67,15 +72,18 @@ def _batch(vocab: int) -> dict:
             "returns": torch.randn(n, rlen, generator=g) * resp_mask}
 
 
-def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1) -> tuple[dict, dict]:
+def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1,
+         grouped: bool = False) -> tuple[dict, dict]:
     from hpc_verl.dataflow import DataflowGraph, HybridScheduler, Node, WorkerGroup
     from hpc_verl.trainer.config import load_config
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model_path}", "trainer.device=cpu",
                              f"trainer.n_gpus_per_node={world}", "data.train_batch_size=4",
                              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
-                             "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.shuffle=true",
+                             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={2 if grouped else 1}",
+                             f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={2 if grouped else 1}",
+                             "actor_rollout_ref.actor.ppo_epochs=2",
+                             f"actor_rollout_ref.actor.shuffle={'false' if grouped else 'true'}",
                              "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.entropy_coeff=0.01",
                              "critic.ppo_micro_batch_size_per_gpu=1", "critic.optim.lr=1e-3",
                              f"actor_rollout_ref.actor.strategy={strategy}", f"critic.strategy={strategy}",
@@ -111,17 +119,23 @@ def cluster():
         stop_sim_cluster(c)
 
 
-@pytest.mark.parametrize("strategy,sp", [("ddp", 1), ("fsdp2", 1), ("ddp", 2), ("fsdp2", 2)],
-                         ids=["ddp", "fsdp2", "ddp-ulysses2", "fsdp2-ulysses2"])
-def test_two_ranks_update_like_one(cluster, tiny_model, strategy, sp):
+@pytest.mark.parametrize("strategy,sp,grouped", [("ddp", 1, False), ("fsdp2", 1, False), ("ddp", 2, False),
+                                                 ("fsdp2", 2, False), ("ddp", 1, True), ("fsdp2", 1, True)],
+                         ids=["ddp", "fsdp2", "ddp-ulysses2", "fsdp2-ulysses2", "ddp-shared-prompts",
+                              "fsdp2-shared-prompts"])
+def test_two_ranks_update_like_one(cluster, tiny_model, strategy, sp, grouped):
     """W=2 as two data-parallel ranks, or (ulysses2) as one data-parallel rank whose two ranks
     split every sequence (Ulysses SP=2, all-to-all attention) - against W=1."""
     import json
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    batch = _batch(vocab)
-    m1, w1 = _run(str(tiny_model), 1, strategy, batch)
-    m2, w2 = _run(str(tiny_model), 2, strategy, batch, sp=sp)
+    batch = _batch(vocab, grouped)
+    m1, w1 = _run(str(tiny_model), 1, strategy, batch, grouped=grouped)
+    m2, w2 = _run(str(tiny_model), 2, strategy, batch, sp=sp, grouped=grouped)
     assert m2["actor/ulysses_sp"] == m2["critic/ulysses_sp"] == sp
+    assert m1["share_prompts"] is True and m2["share_prompts"] is (sp == 1)   # (Ulysses splits sequences)
+    phases = [f"timing_s/update_actor/{p}" for p in ("forward", "backward", "allreduce", "optimizer")]
+    assert all(m2[k] >= m2[k + "_min"] >= 0 for k in phases) and m2["perf/rank_imbalance"] >= 1.0
+    assert m1["timing_s/update_actor/allreduce"] == 0 and m2["timing_s/update_actor/backward"] > 0
     moved = 0.0
     for role in ("actor", "critic"):
         for name, t1 in w1[role].items():

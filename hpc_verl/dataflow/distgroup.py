@@ -112,7 +112,7 @@ def _bcast(pg: Any, tensor: Any) -> None:
 
 def send_buckets(pg: Any, named: Iterable[tuple[str, Any]], device: Any, dtype: Any = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
-    """Broadcast ``named`` tensors from sync rank 0, bucket by bucket; returns the bytes sent."""
+    """Broadcast ``named`` tensors from sync rank 0, bucket by bucket; returns the tensors' bytes."""
     sent = 0
     bucket: list[tuple[str, Any]] = []
     size = 0
@@ -146,7 +146,7 @@ def _send_one(pg: Any, bucket: list[tuple[str, Any]], device: Any, last: bool) -
     _bcast(pg, torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(device))
     if flat.numel():
         _bcast(pg, flat)
-    return int(flat.numel())
+    return sum(t.numel() * t.element_size() for _, t in bucket)   # the tensors' bytes (not the padding)
 
 
 def recv_buckets(pg: Any, device: Any) -> Iterator[tuple[str, Any]]:

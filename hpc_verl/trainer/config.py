@@ -62,9 +62,11 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "hpc_verl.ray_num_cpus": (int,),
     "hpc_verl.device_mapping": (dict,),
     "hpc_verl.torch_threads": (int,),
+    "hpc_verl.pin_cpus": (list,),
     "hpc_verl.old_log_prob_from_rollout": (bool,),
     "actor_rollout_ref.rollout.enable_sleep_mode": (bool,),
     "hpc_verl.collective_timeout_s": (int, float),
+    "hpc_verl.ddp_bucket_mb": (int, float),
     "hpc_verl.start_timeout_s": (int, float),
     "actor_rollout_ref.actor.loss_scale_factor": (int, float),
     "critic.loss_scale_factor": (int, float),
@@ -120,7 +122,7 @@ _POSITIVE = {
     "reward_model.micro_batch_size_per_gpu", "trainer.nnodes", "trainer.total_epochs",
     "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
     "hpc_verl.ray_num_cpus", "hpc_verl.torch_threads", "hpc_verl.collective_timeout_s",
-    "hpc_verl.weight_sync_bucket_mb", "hpc_verl.start_timeout_s",
+    "hpc_verl.weight_sync_bucket_mb", "hpc_verl.start_timeout_s", "hpc_verl.ddp_bucket_mb",
     "actor_rollout_ref.actor.loss_scale_factor", "critic.loss_scale_factor",
 }
 _NON_NEGATIVE = {
@@ -285,6 +287,10 @@ def _validate_values(flat_defaults: Mapping[str, Any], cfg: Mapping) -> None:
     if temp <= 0 and cfg["actor_rollout_ref"]["rollout"]["do_sample"]:
         raise ConfigError("config key 'actor_rollout_ref.rollout.temperature': must be > 0 when do_sample=true")
     _validate_device_mapping(cfg)
+    pins = cfg["hpc_verl"].get("pin_cpus")
+    if pins is not None and (not pins or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                   for c in pins)):
+        raise ConfigError(f"config key 'hpc_verl.pin_cpus': expected a list of CPU ids like [0, 1], got {pins!r}")
 
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")

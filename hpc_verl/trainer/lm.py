@@ -29,6 +29,34 @@ def setup_threads(cfg: dict) -> None:
     n = cfg.get("hpc_verl", {}).get("torch_threads")
     if n:
         torch_mod().set_num_threads(int(n))
+    pins = cfg.get("hpc_verl", {}).get("pin_cpus")
+    if pins:
+        pin_process(int(pins[_rank() % len(pins)]))
+
+
+def _rank() -> int:
+    try:
+        from hpc_verl.dataflow import current_context
+        return int(current_context().rank)
+    except Exception:  # noqa: BLE001 - outside a worker group: one rank
+        return 0
+
+
+def pin_process(cpu: int) -> None:
+    """Every thread of this process (Ray's and torch's, and those started later) on ``cpu`` only."""
+    import os
+
+    from hpc_verl.errors import ConfigError
+
+    allowed = os.sched_getaffinity(0)
+    if cpu not in allowed:
+        raise ConfigError(f"config key 'hpc_verl.pin_cpus': CPU {cpu} is not one this process may run on "
+                          f"({', '.join(map(str, sorted(allowed)))})")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:   # a thread that ended meanwhile
+            pass
 
 
 def cpu_linears(cfg: dict, model: Any) -> int:
@@ -122,11 +150,13 @@ def response_log_probs(model: Any, batch: dict, temperature: float = 1.0, with_e
 
 
 def can_share_prompts(model: Any) -> bool:
-    """Whether ``response_log_probs(share_prompts=True)`` applies: a causal LM that takes a cache
-    and ``logits_to_keep`` (transformers' own), not wrapped by DDP/FSDP (one forward per backward)."""
+    """Whether ``response_log_probs(share_prompts=True)`` applies to ``model`` called directly: a
+    causal LM that takes a cache and ``logits_to_keep`` (transformers' own), FSDP2-sharded or not
+    (its per-layer reduce-scatter runs once per pass through a layer: linear, so the same gradient).
+    A DDP wrapper is not one: it must see one forward per backward (``TrainModel.run``)."""
     import inspect
 
-    if type(model).__name__.startswith(("FSDP", "DistributedDataParallel")) or not hasattr(model, "config"):
+    if not hasattr(model, "config") or not hasattr(model, "forward"):
         return False
     params = inspect.signature(model.forward).parameters
     return "logits_to_keep" in params and "past_key_values" in params

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from hpc_verl.trainer.phases import CommTimer, PhaseClock, timed_reduce_scatter
+
 STRATEGIES = ("ddp", "fsdp", "fsdp2")   # fsdp is FSDP2 (fully_shard) here
 
 
@@ -132,10 +134,46 @@ def shard_model(model: Any, par: Parallel, *, param_offload: bool = False, resha
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if param_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # the last block's parameters are the first the backward needs: keep them gathered
+        last = i == len(layers) - 1
+        fully_shard(layer, **{**kwargs, "reshard_after_forward": reshard_after_forward and not last})
+    fully_shard(model, **kwargs)   # (FSDP2 keeps the root's gathered after forward itself)
     return model
+
+
+#: DDP's gradient bucket (torch's default is 25 MB): small buckets start all-reducing while the
+#: backward still runs, where one big bucket waits for the whole backward (hpc_verl.ddp_bucket_mb)
+DDP_BUCKET_MB = 2.0
+
+
+def _forward_wrapper(module: Any) -> Any:
+    """What DDP wraps: ``module``'s own forward, or ``fn(module, ...)`` as one forward (a GRPO group's
+    shared prompt runs the model twice, and DDP must see one forward per backward)."""
+    import torch
+
+    class ForwardAs(torch.nn.Module):
+        def __init__(self, lm: Any) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, *args: Any, run: Any = None, **kwargs: Any) -> Any:
+            return self.lm(*args, **kwargs) if run is None else run(self.lm, *args, **kwargs)
+
+    return ForwardAs(module)
+
+
+def ddp_wrap(module: Any, par: Parallel, bucket_mb: float = DDP_BUCKET_MB) -> Any:
+    """DDP tuned for overlap: ``bucket_mb`` buckets, gradients that are views into them (no copy
+    per step), and no buffer broadcast before every forward unless the module has persistent
+    buffers (state that can change, e.g. norm statistics; a rotary table is not one)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    persistent = set(module.state_dict(keep_vars=True)) - {n for n, _ in module.named_parameters()}
+    return DistributedDataParallel(_forward_wrapper(module), device_ids=[0] if par.device == "cuda" else None,
+                                   bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True,
+                                   broadcast_buffers=bool(persistent))
 
 
 class TrainModel:
@@ -143,26 +181,36 @@ class TrainModel:
     forward/backward (DDP wrapper, FSDP2-sharded module, or the module at world size 1)."""
 
     def __init__(self, module: Any, strategy: str, par: Parallel, *, param_offload: bool = False,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, ddp_bucket_mb: float = DDP_BUCKET_MB) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy {strategy!r}")
         self.module = module
         self.strategy = strategy
         self.par = par
         self.sharded = shards(strategy, par)
+        self.phases = PhaseClock()
         if self.sharded:
             self.forward_module = shard_model(module, par, param_offload=param_offload,
                                               reshard_after_forward=reshard_after_forward,
                                               mixed_precision=par.device == "cuda")
+            self.phases.measures_comm = timed_reduce_scatter(self.forward_module, self.phases)
         elif par.distributed:
-            from torch.nn.parallel import DistributedDataParallel
-            ids = [0] if par.device == "cuda" else None
-            self.forward_module = DistributedDataParallel(module, device_ids=ids)
+            self.forward_module = ddp_wrap(module, par, ddp_bucket_mb)
+            self.phases.comm = CommTimer(par.group)
+            self.forward_module.register_comm_hook(None, self.phases.comm.hook)
+            self.phases.measures_comm = True
         else:
             self.forward_module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward_module(*args, **kwargs)
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(module, *args, **kwargs)`` as one forward of what trains (inside DDP's forward, so
+        its gradient hooks fire once however often ``fn`` calls the module)."""
+        if self.forward_module is self.module or self.sharded:
+            return fn(self.forward_module, *args, **kwargs)
+        return self.forward_module(*args, run=fn, **kwargs)
 
     def grad_sync(self, enabled: bool) -> Any:
         """Gradient reduction on this backward or not (accumulating micro-batches)."""

@@ -16,6 +16,8 @@ forward or backward and optimizer steps over all ranks, for the benchmarks.
 """
 from __future__ import annotations
 
+import time
+
 from typing import Any, Callable
 
 from hpc_verl.errors import HpcVerlError
@@ -74,7 +76,12 @@ class _SequenceParallel:
             return ulysses.response_log_probs(model, mb, temperature, with_entropy=with_entropy,
                                               group=view.sp_group, device=self.device)
         if self.share_prompts and isinstance(model, TrainModel):
-            model = model.forward_module   # (the module itself: nothing wraps it)
+            # a GRPO group's prompt runs once: with gradients as one forward of what trains (DDP's
+            # hooks), without them on the module itself (FSDP2: the sharded module either way)
+            if torch_mod().is_grad_enabled():
+                return model.run(response_log_probs, mb, temperature, with_entropy=with_entropy,
+                                 device=self.device, share_prompts=True)
+            model = model.forward_module if model.sharded else model.module
         return response_log_probs(model, mb, temperature, with_entropy=with_entropy, device=self.device,
                                   share_prompts=self.share_prompts)
 
@@ -106,7 +113,8 @@ class _Trainable(_SequenceParallel):
     def _init_training(self, module: Any, strategy: str, fsdp_cfg: dict, optim_cfg: dict, total_steps: int) -> None:
         torch = torch_mod()
         self.model = TrainModel(module, strategy, self.par, param_offload=bool(fsdp_cfg.get("param_offload")),
-                                reshard_after_forward=bool(fsdp_cfg.get("reshard_after_forward", True)))
+                                reshard_after_forward=bool(fsdp_cfg.get("reshard_after_forward", True)),
+                                ddp_bucket_mb=float(self.cfg["hpc_verl"]["ddp_bucket_mb"]))
         # with param_offload the parameters, so the optimizer state too, already live on the CPU
         self.optimizer_offload = (bool(fsdp_cfg.get("optimizer_offload")) and self.device == "cuda"
                                   and not fsdp_cfg.get("param_offload"))
@@ -143,6 +151,8 @@ class _Trainable(_SequenceParallel):
         sums: list[list[float]] = []
         norms: list[float] = []
         skipped = fwd = 0
+        clock = self.model.phases
+        clock.reset()
         for _ in range(epochs):
             order = torch.randperm(n_rows, generator=gen) if shuffle else torch.arange(n_rows)
             for start in range(0, n_rows, mini_rows):
@@ -156,14 +166,18 @@ class _Trainable(_SequenceParallel):
                 for j, sl in enumerate(parts):
                     mb = sub_batch(batch, local[sl])
                     with self.model.grad_sync(j == len(parts) - 1):
+                        t0 = time.perf_counter()
                         loss, stats = loss_fn(mb, denom, token_denom)
+                        clock.add("forward", time.perf_counter() - t0)
                         # DDP/FSDP average over all world ranks; the SP ranks of a group each hold their
                         # share of one loss's gradient (ulysses.gather_seq), so x world is the sum
-                        (loss * par.world).backward()
+                        clock.backward(loss * par.world)
                     acc += torch.tensor([float(s) for s in stats], dtype=torch.float64)
                     fwd += len(local[sl]) if par.sp_rank == 0 else 0
                 sums.append((par.all_reduce_sum(acc) / par.sp).tolist())   # the SP ranks computed the same
+                t0 = time.perf_counter()
                 norm, ok = self._step(grad_clip)
+                clock.add("optimizer", time.perf_counter() - t0)
                 norms.append(norm)
                 skipped += 0 if ok else 1
         self.scheduler.step()   # once per training step (verl), not per PPO epoch or mini-batch
@@ -174,6 +188,7 @@ class _Trainable(_SequenceParallel):
         out[f"{prefix}/lr"] = self.scheduler.get_last_lr()[0]
         out[f"{prefix}/ulysses_sp"] = par.sp
         out["counts"] = _counts(par, fwd, fwd, len(norms))
+        out.update(clock.metrics(par, f"update_{prefix}"))
         if prefix == "actor":
             out["actor/skipped_steps"] = float(skipped)
         return out
@@ -244,8 +259,7 @@ class ActorWorker(_Trainable):
         self._init_sp(module, self.acfg["fsdp_config"]["ulysses_sequence_parallel_size"])
         self._init_training(module, self.acfg["strategy"], self.acfg["fsdp_config"], self.acfg["optim"],
                             total_steps)
-        self.share_prompts = (self.sp_configured == 1 and self.model.forward_module is module
-                              and can_share_prompts(module))
+        self.share_prompts = self.sp_configured == 1 and can_share_prompts(module)
         self.version = 0
         self.seed = int(cfg["trainer"]["seed"]) + 101
         self.n = int(cfg["actor_rollout_ref"]["rollout"]["n"])
