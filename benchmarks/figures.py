@@ -50,7 +50,7 @@ BENCHMARKS: dict[str, Benchmark] = {
                                    "lower"),
     "bringup": Benchmark("Ray bring-up, `sbatch` to a usable cluster (worst size)", "a polling sbatch script",
                          "lower"),
-    "scale_out": Benchmark("samples per second with 2 data-parallel ranks", "1 rank on the same threads", "higher"),
+    "scale_out": Benchmark("strong-scaling efficiency, 2 data-parallel ranks", "1 rank on one pinned core", "higher"),
     "ppo_profile": Benchmark("a GRPO round of the built-in trainer", "its own GEMM floor", "lower"),
 }
 

@@ -94,3 +94,27 @@ def test_plan_and_doctor_count_a_cpu_profiles_ranks_against_its_cpus():
     assert check_cpu_ranks(Expectations(accelerator="nvidia", gpus_per_node=4), Context(env={})).status == SKIP
     from hpc_verl.verl_upstream.cpu.rules import LOGICAL_GPUS_PER_NODE
     assert LOGICAL_GPUS_PER_NODE == cpus.CPU_PROFILE_RANKS_PER_NODE     # one rule for both trainers
+
+
+def test_pin_cpus_puts_every_thread_of_a_rank_on_its_core():
+    from hpc_verl.errors import ConfigError
+    from hpc_verl.trainer.config import load_config
+    assert load_config(None, ["hpc_verl.pin_cpus=[0, 1]"])["hpc_verl"]["pin_cpus"] == [0, 1]
+    for bad in ("[]", "[-1]", "[a]"):
+        with pytest.raises(ConfigError, match="hpc_verl.pin_cpus"):
+            load_config(None, [f"hpc_verl.pin_cpus={bad}"])
+    # in a fresh process with a second thread already running: both end on the one CPU
+    code = ("import os, threading, time, sys\n"
+            "from hpc_verl.trainer.lm import setup_threads\n"
+            "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"
+            "cpu = max(os.sched_getaffinity(0))\n"
+            "setup_threads({'hpc_verl': {'pin_cpus': [cpu]}})\n"
+            "masks = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir('/proc/self/task')}\n"
+            "print(cpu, len(masks), all(m == {cpu} for m in masks.values()))\n"
+            "try:\n    setup_threads({'hpc_verl': {'pin_cpus': [4096]}})\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    first, second = res.stdout.strip().splitlines()
+    assert int(first.split()[1]) >= 2 and first.endswith("True"), res.stdout + res.stderr
+    assert second.startswith("ConfigError") and "CPU 4096 is not one this process may run on" in second
