@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print("README curve: " + ("a demo run's" if ok else "missing or not a demo run's"))
         return 0 if ok else 1
     try:
-        curve = Path(args.curve).read_text().rstrip("\n")
+        saved = Path(args.curve).read_text().splitlines()
+        # the chart as drawn and the run it came from (not plot's "wrote <path>" line)
+        curve = "\n".join(ln for ln in saved if not ln.startswith("plot:")).strip("\n")
     except OSError as exc:
         print(f"readme_curve: cannot read {args.curve} ({exc.strerror}); run 'bash scripts/demo.sh' first",
               file=sys.stderr)

@@ -185,3 +185,18 @@ def test_every_page_starts_by_saying_what_it_is_for():
         assert lines[0].startswith("# "), page
         first = next(line for line in lines[1:] if line.strip())
         assert not re.match(r"(#|```|\||- |\* |\d+\. |<!--)", first), f"{page.relative_to(REPO)}: {first!r}"
+
+
+def test_readme_curve_is_a_demo_runs_and_clears_the_demo_gate():
+    """README's reward curve is the text scripts/demo.sh saved for its main job (copied in by
+    scripts/readme_curve.py between markers, with the run's commit and date), and its last-10
+    mean clears the gate the demo applies."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("readme_curve", REPO / "scripts" / "readme_curve.py")
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+    shown = rc.block((REPO / "README.md").read_text())
+    assert "run: bash scripts/demo.sh, commit " in shown, "README's curve block is missing or not a demo run's"
+    demo = (REPO / "scripts" / "demo.sh").read_text()
+    gate = float(re.search(r"--require-final ([0-9.]+)", demo).group(1))
+    assert gate >= 0.8 and rc.last_mean(shown) >= gate
