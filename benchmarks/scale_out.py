@@ -137,7 +137,7 @@ def run_side(args: argparse.Namespace, world: int, threads: int, pins: list[int]
     steady = recs[args.warmup:]
     rates = [r["n_responses"] / r["timing_s/step"] for r in steady]
     phases = {k: statistics.median(r[k] for r in steady) for k in steady[0]
-              if k.startswith("timing_s/update_actor/") or k == "perf/rank_imbalance"}
+              if k.startswith("timing_s/update_actor_phases/") or k == "perf/rank_imbalance"}
     return {"world": world, "threads_per_rank": threads, "pinned": pins, "samples_per_s": statistics.median(rates),
             "step_s": statistics.median(r["timing_s/step"] for r in steady), "phases": phases,
             "foreign_cores": round(seen["foreign_cpu_s"] / max(elapsed, 1e-9), 3), "retried_after": retried,
@@ -326,7 +326,7 @@ def report(result: dict[str, Any]) -> None:
             m = side["phases_median"]
 
             def cell(phase: str) -> str:
-                k = f"timing_s/update_actor/{phase}"
+                k = f"timing_s/update_actor_phases/{phase}"
                 return f"{m[k]:.3f} / {m[k + '_min']:.3f}" if k in m else "-"
             ph.add_row(name, *(cell(x) for x in ("forward", "backward", "allreduce", "optimizer")),
                        f"{m.get('perf/rank_imbalance', 1.0):.2f}")

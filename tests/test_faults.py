@@ -447,6 +447,7 @@ class Train:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp / "home", COLUMNS="400"), stdout=fh,
                                          stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.tree = Tree(self.proc.pid)
+        self.started = time.time()
 
     def wait(self, timeout: float = 300) -> tuple[int, str]:
         _, err = self.proc.communicate(timeout=timeout)
@@ -465,7 +466,9 @@ class Train:
         ray_dir = self.private_ray()
         assert ray_dir is not None, "the trainer did not say where its private Ray lived"
         assert not ray_dir.exists(), f"the private Ray's temp dir {ray_dir} was left behind"
-        assert not list(Path("/tmp/ray").glob(f"session_*_{self.proc.pid}")), "a /tmp/ray session was left"
+        # (this run's: a pid can be reused, and an older run's session of that pid is not this one's)
+        ours = [p for p in Path("/tmp/ray").glob(f"session_*_{self.proc.pid}") if p.stat().st_mtime >= self.started - 1]
+        assert not ours, f"a /tmp/ray session was left: {ours}"
         assert not _leftover_dirs(run_dir), _leftover_dirs(run_dir)
 
 

@@ -17,30 +17,20 @@ import json
 import os
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from hpc_verl.bootstrap.netif import is_bridge
 from hpc_verl.bootstrap.ports import busy_ports, ephemeral_range, pick_node_ports, port_block
 from hpc_verl.ops import sysinfo
+from hpc_verl.ops.doctor_job import check_cpu_ranks, check_head_ports
 from hpc_verl.ops.sysinfo import Roots
 from hpc_verl.profiles.schema import RaySection, SlurmSection
 from hpc_verl.util.versions import RAY_MIN_VERSION, version_tuple
+from hpc_verl.ops.checkresult import FAIL, OK, SKIP, WARN, CheckResult  # noqa: F401  (re-exported)
 
-OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 NOFILE_WANTED = 65536
 IB_TRANSPORTS = ("infiniband", "roce")
-
-
-@dataclass
-class CheckResult:
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
-
-    def to_dict(self) -> dict[str, str]:
-        return asdict(self)
 
 
 @dataclass
@@ -694,14 +684,9 @@ def check_container_ib(exp: Expectations, ctx: Context) -> CheckResult:
                        f"{', '.join(passed) or 'the shared /dev'} (run --deep to look inside)")
 
 
-def _job_checks() -> tuple[Callable[[Expectations, Context], CheckResult], ...]:
-    from hpc_verl.ops.doctor_job import check_cpu_ranks, check_head_ports
-    return check_cpu_ranks, check_head_ports
-
-
 CHECKS: tuple[Callable[[Expectations, Context], CheckResult], ...] = (
     check_ib, check_interface, check_socket_ifname, check_shm, check_memlock, check_nofile, check_ports,
-    check_ray_socket_path, check_ray_temp_fs, check_cpus, *_job_checks(), check_ray, check_gpu_devices,
+    check_ray_socket_path, check_ray_temp_fs, check_cpus, check_cpu_ranks, check_head_ports, check_ray, check_gpu_devices,
     check_torch, check_runtime, check_docker_daemon, check_container_ib)
 
 

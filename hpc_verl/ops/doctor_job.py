@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpc_verl.bootstrap.netif import tcp_probe
 from hpc_verl.bootstrap.raydir import ray_dir, read_json
-
-if TYPE_CHECKING:
-    from hpc_verl.ops.doctor import CheckResult, Context, Expectations
+from hpc_verl.ops.checkresult import FAIL, OK, SKIP, CheckResult
 
 #: one connect attempt per port; a firewall that drops shows as no answer within this
 PROBE_S = 1.0
@@ -51,9 +49,8 @@ def head_ports(head: dict[str, Any], head_state: dict[str, Any] | None) -> list[
     return [(name, int(port)) for name, port in wanted if port]
 
 
-def check_head_ports(exp: "Expectations", ctx: "Context") -> "CheckResult":
-    from hpc_verl.ops.doctor import FAIL, OK, SKIP, CheckResult
-
+def check_head_ports(exp: Any, ctx: Any) -> CheckResult:
+    """``exp``, ``ctx``: doctor's Expectations and Context."""
     name = "head-ports"
     if ctx.job_id is None:
         return CheckResult(name, SKIP, "no job id: pass --job-id N to check that this node reaches the job's head")
@@ -80,8 +77,8 @@ def check_head_ports(exp: "Expectations", ctx: "Context") -> "CheckResult":
     return CheckResult(name, OK, f"from {here}, job {ctx.job_id}'s head ({head_node}) answers: " + ", ".join(open_))
 
 
-def check_cpu_ranks(exp: "Expectations", ctx: "Context") -> "CheckResult":
-    from hpc_verl.ops.doctor import FAIL, OK, SKIP, CheckResult
+def check_cpu_ranks(exp: Any, ctx: Any) -> CheckResult:
+    """``exp``, ``ctx``: doctor's Expectations and Context."""
     from hpc_verl.util.cpus import profile_rank_check
 
     name = "cpu-ranks"
