@@ -3,7 +3,8 @@ counts CPU ranks here, so W=2 is two real ranks of one torch.distributed group.
 
 - a W=2 run: the two actor ranks end with identical weights (their digests, recorded and
   checked at every checkpoint) and both rollout replicas generated rows (dataflow_status.json);
-- resume across world sizes (2 -> 1 -> 2) continues from the same weights and optimiser state;
+- resume across world sizes (2 -> 1 -> 2, DDP then FSDP2): each load re-saves exactly the weights and
+  optimiser state that were saved, and training goes on from them;
 - W=2 on two simulated Ray nodes places one rank per node and trains;
 - a killed rank ends the run within the collective timeout with one line and leaves nothing;
 - a live resize of the hybrid group between steps;
@@ -108,12 +109,27 @@ def test_two_ranks_train_identical_replicas_and_resume_across_world_sizes(tiny_m
     assert json.loads((run / "global_step_3" / "trainer_state.json").read_text())["world_sizes"] == {"hybrid": 1}
     for key in ("model", "optim"):
         _assert_same(saved[key], at_one[key], key)
-    # 1 -> 2 (fsdp2 this time: a sharded layout from a replicated one), then one more step
+    # 1 -> 2 (fsdp2 this time: a sharded layout from a replicated one): the two ranks load their shards
+    # of what one rank saved and re-save step 3 from them; the same weights and optimizer state come back
+    res = _train(_args(tiny_model, digits_data, run, 3, 2, "actor_rollout_ref.actor.strategy=fsdp2"),
+                 tmp_path / "w2s.log")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((run / "global_step_3" / "trainer_state.json").read_text())["world_sizes"] == {"hybrid": 2}
+    sharded = _weights(run / "global_step_3")
+    _assert_same(at_one["model"], sharded["model"], "model")
+    _assert_same(at_one["optim"]["state"], sharded["optim"]["state"], "optim.state")
+    assert [_hyper(g) for g in at_one["optim"]["param_groups"]] == [_hyper(g) for g in sharded["optim"]["param_groups"]]
+    # then one more step
     res = _train(_args(tiny_model, digits_data, run, 4, 2, "actor_rollout_ref.actor.strategy=fsdp2"),
                  tmp_path / "w2b.log")
     assert res.returncode == 0, res.stderr
     recs = _records(run)
     assert recs[-1]["step"] == 4 and recs[-1]["run/start_step"] == 3 and recs[-1]["rollout/policy_version"] == 3
+
+
+def _hyper(group: dict) -> dict:
+    """An optimizer param group's hyperparameters and parameters (not how the step is run: fused or not)."""
+    return {k: v for k, v in group.items() if k not in ("fused", "foreach")}
 
 
 def _assert_same(a, b, where: str) -> None:
