@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from hpc_verl.bootstrap.netif import tcp_probe
@@ -57,24 +56,25 @@ def check_head_ports(exp: Any, ctx: Any) -> CheckResult:
     run_dir, source = job_run_dir(ctx.job_id, ctx.env)
     if run_dir is None:
         return CheckResult(name, SKIP, f"job {ctx.job_id}: cannot find its run directory ({source})")
-    head = read_json(ray_dir(run_dir) / "head.json")
+    rdir = ray_dir(run_dir)
+    head = read_json(rdir / "head.json")
     if not head or not head.get("ip"):
         return CheckResult(name, SKIP, f"job {ctx.job_id}'s head has not published its address yet "
-                           f"({Path(ray_dir(run_dir)) / 'head.json'} missing)")
+                           f"({rdir / 'head.json'} missing)")
     ip = str(head["ip"])
-    closed, open_ = [], []
-    head_state = read_json(ray_dir(run_dir) / "nodes" / f"{head.get('node')}.json")
-    for what, port in head_ports(head, head_state if (head_state or {}).get("state") == "running" else None):
-        why = tcp_probe(ip, port, PROBE_S)
-        (open_ if why is None else closed).append(f"{what} {ip}:{port}" + ("" if why is None else f": {why}"))
+    head_state = read_json(rdir / "nodes" / f"{head.get('node')}.json")
+    probed = [(what, port, tcp_probe(ip, port, PROBE_S))
+              for what, port in head_ports(head, head_state if (head_state or {}).get("state") == "running" else None)]
+    closed = [(what, port, why) for what, port, why in probed if why is not None]
     here = ctx.node or ctx.env.get("SLURMD_NODENAME") or os.uname().nodename
     head_node = head.get("node", "the head")
     if closed:
         return CheckResult(name, FAIL, f"from {here}, job {ctx.job_id}'s head ({head_node}) port closed: "
-                           + "; ".join(closed),
-                           f"allow TCP to {ip} port(s) {', '.join(c.split(':')[1] for c in closed)} from this node "
-                           "(the site firewall between the nodes), or set ray.port_base to a range it allows")
-    return CheckResult(name, OK, f"from {here}, job {ctx.job_id}'s head ({head_node}) answers: " + ", ".join(open_))
+                           + "; ".join(f"{what} {ip}:{port}: {why}" for what, port, why in closed),
+                           f"allow TCP to {ip} port(s) {', '.join(str(port) for _, port, _ in closed)} from this "
+                           "node (the site firewall between the nodes), or set ray.port_base to a range it allows")
+    return CheckResult(name, OK, f"from {here}, job {ctx.job_id}'s head ({head_node}) answers: "
+                       + ", ".join(f"{what} {ip}:{port}" for what, port, _ in probed))
 
 
 def check_cpu_ranks(exp: Any, ctx: Any) -> CheckResult:
