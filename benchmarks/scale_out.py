@@ -19,10 +19,18 @@ and the trainer's counters (rows through a forward and a backward, optimizer ste
 generated tokens, tokens in the batches) are printed per side; a ratio is refused if they
 differ. Each run's foreign CPU load (CPU time on the two cores that the run's own processes
 did not spend, read from /proc) is measured; a run over ``--max-foreign-load`` cores is
-marked and left out, and the ratio is refused without 3 clean runs a side. The default shape
-is one where compute dominates: 128 responses of 32 tokens a step on a 4-layer, 256-wide model
-(about 5 GFLOP of forward and backward a rank per optimizer step against a 10 MB gradient
-all-reduce).
+marked and left out, and the ratio is refused without 3 clean runs a side.
+
+The default shape is one where compute dominates: 32 prompts x 8 responses of 64 tokens a step
+(128 rows a rank at W=2), 4 mini-batches, a 4-layer 256-wide model. Two costs do not halve with the
+rows and set the shape: the gradient all-reduce (~10 MB per optimizer step, the same at any batch)
+and the per-token fixed cost of decoding (each generated token runs every layer once however few
+rows there are). Against the earlier 16 x 8 x 32 shape, the rows per optimizer step and the tokens
+per row double; with it, those fixed costs held the efficiency near 0.7 (see docs/benchmarks.md).
+
+``--bucket-sweep 1,2,8,25`` also runs the W=2 side at each DDP bucket size
+(``hpc_verl.ddp_bucket_mb``), alternated, ``--bucket-repeats`` runs each: the measurement behind
+the key's default.
 
 Weight sync: the real transports of the runtime (``send_control(TENSORS)``) for
 models of ``--sync-hidden`` sizes: colocated (actor and rollout in one process: an
@@ -61,13 +69,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="first steps of a run left out of its figure")
     p.add_argument("--hidden", type=int, default=256, help="model hidden size (throughput)")
     p.add_argument("--layers", type=int, default=4, help="model layers (throughput)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per step (data.train_batch_size)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step (data.train_batch_size)")
     p.add_argument("--group", type=int, default=8, help="responses per prompt (rollout.n)")
-    p.add_argument("--response-length", type=int, default=32, help="tokens per response (forced)")
+    p.add_argument("--response-length", type=int, default=64, help="tokens per response (forced)")
+    p.add_argument("--mini-batches", type=int, default=4,
+                   help="optimizer steps per training step (ppo_mini_batch_size = prompts / this)")
     p.add_argument("--max-foreign-load", type=float, default=0.10,
                    help="cores of foreign CPU load above which a run is left out (read from /proc)")
     p.add_argument("--sync-hidden", default="64,256,1024", help="hidden sizes for the weight-sync sweep (2 layers)")
     p.add_argument("--sync-repeats", type=int, default=5, help="syncs timed per size and mode")
+    p.add_argument("--bucket-sweep", default="", metavar="MB,MB,...",
+                   help="also run W=2 at these hpc_verl.ddp_bucket_mb sizes (e.g. 1,2,8,25)")
+    p.add_argument("--bucket-repeats", type=int, default=3, help="runs per bucket size in the sweep")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-sync", action="store_true")
     args = p.parse_args(argv)
@@ -79,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sync_sizes = [int(x) for x in args.sync_hidden.split(",") if x.strip()]
     except ValueError:
         p.error(f"--sync-hidden {args.sync_hidden!r}: expected sizes like 64,256,512")
+    try:
+        args.buckets = [float(x) for x in args.bucket_sweep.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--bucket-sweep {args.bucket_sweep!r}: expected sizes in MB like 1,2,8,25")
+    if any(b <= 0 for b in args.buckets):
+        p.error(f"--bucket-sweep {args.bucket_sweep!r}: sizes must be > 0")
     return args
 
 
@@ -95,7 +114,7 @@ def _overrides(args: argparse.Namespace, model: Path, data: Path, run_dir: Path)
     return [f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
             "data.max_prompt_length=16", f"data.max_response_length={args.response_length}",
             f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.group}",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={max(1, args.prompts // 4)}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={max(1, args.prompts // args.mini_batches)}",
             "actor_rollout_ref.rollout.ignore_eos=true", "algorithm.adv_estimator=grpo",
             "actor_rollout_ref.actor.strategy=ddp", "trainer.device=cpu",
             f"trainer.total_training_steps={args.steps}", "trainer.save_freq=-1", "trainer.resume_mode=disable",
@@ -103,7 +122,7 @@ def _overrides(args: argparse.Namespace, model: Path, data: Path, run_dir: Path)
 
 
 def run_side(args: argparse.Namespace, world: int, threads: int, pins: list[int] | None, model: Path, data: Path,
-             work: Path, tag: str, cpus: list[int]) -> dict[str, Any]:
+             work: Path, tag: str, cpus: list[int], extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One fresh trainer process: ``world`` ranks of ``threads`` torch threads, pinned or not; its
     per-step figures and the foreign CPU load on ``cpus`` while it ran."""
     from benchmarks import proctree
@@ -111,7 +130,7 @@ def run_side(args: argparse.Namespace, world: int, threads: int, pins: list[int]
     run_dir = work / f"run-{tag}"
     cmd = [sys.executable, "-m", "hpc_verl", "train", "--no-progress",
            *_overrides(args, model, data, run_dir), f"trainer.n_gpus_per_node={world}",
-           f"hpc_verl.torch_threads={threads}"] + ([f"hpc_verl.pin_cpus={pins}"] if pins else [])
+           f"hpc_verl.torch_threads={threads}", *extra] + ([f"hpc_verl.pin_cpus={pins}"] if pins else [])
     retried = []
     while True:
         mark = proctree.tag_env()
@@ -137,7 +156,7 @@ def run_side(args: argparse.Namespace, world: int, threads: int, pins: list[int]
     steady = recs[args.warmup:]
     rates = [r["n_responses"] / r["timing_s/step"] for r in steady]
     phases = {k: statistics.median(r[k] for r in steady) for k in steady[0]
-              if k.startswith("timing_s/update_actor_phases/") or k == "perf/rank_imbalance"}
+              if k.startswith("timing_s/update_actor/") or k == "perf/rank_imbalance"}
     return {"world": world, "threads_per_rank": threads, "pinned": pins, "samples_per_s": statistics.median(rates),
             "step_s": statistics.median(r["timing_s/step"] for r in steady), "phases": phases,
             "foreign_cores": round(seen["foreign_cpu_s"] / max(elapsed, 1e-9), 3), "retried_after": retried,
@@ -192,6 +211,35 @@ def throughput(args: argparse.Namespace, work: Path, progress: Any) -> dict[str,
             "model": {"hidden": args.hidden, "layers": args.layers, "params": _param_count(model)},
             "batch": {"prompts": args.prompts, "group": args.group, "response_tokens": args.response_length},
             "steps_measured": args.steps - args.warmup}
+
+
+def bucket_sweep(args: argparse.Namespace, work: Path, progress: Any) -> dict[str, Any]:
+    """W=2 (one pinned core a rank) at each DDP bucket size, alternated: samples/s and the exposed
+    all-reduce, median over the clean runs."""
+    from benchmarks import benchlib as B
+
+    model = _model(work, args.hidden, args.layers)
+    data = work / "digits"
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    names = [f"{b:g}" for b in args.buckets]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    task = progress.add_task("DDP bucket sweep", total=len(names) * args.bucket_repeats)
+    for r, name in B.alternating(names, args.bucket_repeats):
+        runs[name].append(run_side(args, 2, 1, cpus, model, data, work, f"sweep{r}-b{name}", cpus,
+                                   extra=(f"hpc_verl.ddp_bucket_mb={name}",)))
+        progress.advance(task)
+    rows = []
+    for name, rs in runs.items():
+        clean = [x for x in rs if x["foreign_cores"] <= args.max_foreign_load]
+        rows.append({"ddp_bucket_mb": float(name), "clean_runs": len(clean),
+                     "samples_per_s_median": statistics.median(x["samples_per_s"] for x in clean) if clean else None,
+                     "samples_per_s_runs": [x["samples_per_s"] for x in rs],
+                     "foreign_cores_runs": [x["foreign_cores"] for x in rs],
+                     "allreduce_s_median": statistics.median(
+                         x["phases"].get("timing_s/update_actor/allreduce", 0.0) for x in rs),
+                     "backward_s_median": statistics.median(
+                         x["phases"].get("timing_s/update_actor/backward", 0.0) for x in rs)})
+    return {"rows": rows, "repeats": args.bucket_repeats}
 
 
 def _param_count(model: Path) -> int:
@@ -326,7 +374,7 @@ def report(result: dict[str, Any]) -> None:
             m = side["phases_median"]
 
             def cell(phase: str) -> str:
-                k = f"timing_s/update_actor_phases/{phase}"
+                k = f"timing_s/update_actor/{phase}"
                 return f"{m[k]:.3f} / {m[k + '_min']:.3f}" if k in m else "-"
             ph.add_row(name, *(cell(x) for x in ("forward", "backward", "allreduce", "optimizer")),
                        f"{m.get('perf/rank_imbalance', 1.0):.2f}")
@@ -335,6 +383,17 @@ def report(result: dict[str, Any]) -> None:
             console.print(f"[red]no ratio: {tp['refused']}[/red]")
         else:
             console.print(f"strong-scaling efficiency at W=2 (one pinned core a rank): [bold]{tp['ratio']:.2f}[/bold]")
+    sweep = result.get("ddp_bucket_sweep")
+    if sweep:
+        t = Table(title=f"W=2 at each DDP bucket size (hpc_verl.ddp_bucket_mb), {sweep['repeats']} runs each")
+        for col in ("bucket MB", "samples/s", "runs", "allreduce s", "backward s", "foreign cores"):
+            t.add_column(col)
+        for r in sweep["rows"]:
+            med = r["samples_per_s_median"]
+            t.add_row(f"{r['ddp_bucket_mb']:g}", "-" if med is None else f"{med:.1f}",
+                      ", ".join(f"{x:.1f}" for x in r["samples_per_s_runs"]), f"{r['allreduce_s_median']:.3f}",
+                      f"{r['backward_s_median']:.3f}", ", ".join(f"{x:.2f}" for x in r["foreign_cores_runs"]))
+        console.print(t)
     rows = result.get("weight_sync")
     if rows:
         t = Table(title="Weight sync actor -> rollout (the runtime's transports) against their floors")
@@ -360,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_throughput:
             result["throughput"] = throughput(args, work, progress)
             result["ratio"] = result["throughput"]["ratio"]
+            if args.buckets:
+                result["ddp_bucket_sweep"] = bucket_sweep(args, work, progress)
         if not args.skip_sync:
             result["weight_sync"] = weight_sync(args, work, progress)
     if result["ratio"] is None:   # why, as every report says it

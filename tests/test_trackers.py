@@ -105,6 +105,10 @@ def test_every_backend_writes_the_steps_and_a_resume_appends(tiny_model, digits_
     for key in KEYS:
         hist = client.get_metric_history(run_id, key)
         assert sorted(m.step for m in hist) == [1, 2, 3], key
+    # verl's total beside its per-phase keys: in MLflow's file store the total moves to .../total
+    for key in ("timing_s/update_actor/total", "timing_s/update_actor/forward"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3], key
+    assert "timing_s/update_actor" in expected[1] and "timing_s/update_actor/forward" in expected[1]
     assert len(client.search_runs([client.get_experiment_by_name("proj").experiment_id])) == 1
 
     # wandb offline: two sessions of the same run id, steps 1-2 then 3

@@ -146,7 +146,7 @@ def test_tiny_model_learns_digit_task_through_dataflow(tiny_model, digits_data, 
         status = json.loads((run_dir / "dataflow_status.json").read_text())
         assert [w["rows"] > 0 for w in status["nodes"]["actor_rollout"]["workers"]] == [True, True]
         # where each update went, the slowest and fastest rank, at every step
-        phases = [f"timing_s/update_actor_phases/{p}{m}" for p in ("forward", "backward", "allreduce", "optimizer")
+        phases = [f"timing_s/update_actor/{p}{m}" for p in ("forward", "backward", "allreduce", "optimizer")
                   for m in ("", "_min")]
         assert all(all(k in r for k in phases) and r["perf/rank_imbalance"] >= 1 for r in _records(run_dir))
     from hpc_verl.trainer.metrics import plot_run

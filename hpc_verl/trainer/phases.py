@@ -85,7 +85,7 @@ class PhaseClock:
         self.times["backward"] += (t1 - t0) - waited
 
     def metrics(self, par: Any, name: str) -> dict[str, float]:
-        """``timing_s/<name>_phases/<phase>`` (slowest rank), ``.../<phase>_min`` (fastest) and
+        """``timing_s/<name>/<phase>`` (slowest rank), ``.../<phase>_min`` (fastest) and
         ``perf/rank_imbalance`` (the actor's slowest over fastest rank's whole update; the critic's
         ``perf/rank_imbalance_update_critic``); a collective: every rank calls it."""
         import torch
@@ -103,8 +103,8 @@ class PhaseClock:
         for i, phase in enumerate(PHASES):
             if phase == "allreduce" and par.distributed and not self.measures_comm:
                 continue   # (a reduction this torch gives no hook for stays in the backward)
-            out[f"timing_s/{name}_phases/{phase}"] = float(hi[i])
-            out[f"timing_s/{name}_phases/{phase}_min"] = float(lo[i])
+            out[f"timing_s/{name}/{phase}"] = float(hi[i])
+            out[f"timing_s/{name}/{phase}_min"] = float(lo[i])
         key = "perf/rank_imbalance" if name == "update_actor" else f"perf/rank_imbalance_{name}"
         out[key] = float(hi[-1] / lo[-1]) if float(lo[-1]) > 0 else 1.0
         return out

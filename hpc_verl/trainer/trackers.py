@@ -143,10 +143,18 @@ class _Mlflow:
             atomic_write_text(id_file, self.run.info.run_id + "\n")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.mlflow.log_metrics(metrics, step=step)
+        self.mlflow.log_metrics(mlflow_keys(metrics), step=step)
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+def mlflow_keys(metrics: Mapping[str, float]) -> dict[str, float]:
+    """MLflow's file store keeps a metric as a file at its key's path, so a key that is also the
+    prefix of others (``timing_s/update_actor`` beside ``timing_s/update_actor/forward``) is logged
+    as ``<key>/total`` there; every other backend keeps verl's names."""
+    parents = {k.rsplit("/", 1)[0] for k in metrics if "/" in k}
+    return {(f"{k}/total" if k in parents else k): v for k, v in metrics.items()}
 
 
 class _ConsoleLines:
