@@ -5,6 +5,7 @@ here). The batch has two mini-batches, two PPO epochs with shuffling and micro-b
 row (gradient accumulation), and responses of different lengths (the loss is normalised by the
 mini-batch's global token count). A grouped batch (GRPO: each prompt twice, in order, micro-batches
 of two) has both sides run each group's prompt once (prompt sharing, under DDP as under FSDP2).
+Four ranks as two data-parallel replicas of two Ulysses ranks each (dp=2 x sp=2) equal W=1 too.
 """
 from __future__ import annotations
 
@@ -28,14 +29,27 @@ class Roles:
 
     def __init__(self, cfg: dict) -> None:
         from hpc_verl.trainer.workers import ActorWorker, CriticWorker
+        self.cfg = cfg
         self.actor = ActorWorker(cfg, total_steps=4)
         self.critic = CriticWorker(cfg, total_steps=4)
 
     def process(self, item):
         return item
 
-    def update(self, batch: dict) -> dict:
-        a = self.actor.update_policy(dict(batch), step=1)
+    def update(self, batch: dict, own_rows: bool = False) -> dict:
+        held = None
+        actor_batch = dict(batch)
+        if own_rows:   # the actor gets only the rows it trains on (what take_rows fetches in a run)
+            from hpc_verl.dataflow import current_context
+            from hpc_verl.trainer.workers import actor_rows
+            ctx = current_context()
+            n = batch["responses"].shape[0]
+            rows = actor_rows(self.cfg, n, ctx.rank, ctx.world_size, {"step": 1})
+            assert len(rows) < n or ctx.world_size == 1
+            actor_batch = {k: v[rows] if hasattr(v, "shape") and v.dim() and v.shape[0] == n else v
+                           for k, v in batch.items()}
+            held = (rows, batch["response_mask"])
+        a = self.actor.update_policy(actor_batch, step=1, held=held)
         c = self.critic.update_critic(dict(batch))
         lp, _ = self.actor.compute_log_prob(dict(batch))
         out = {k: v for k, v in {**a, **c}.items() if k != "counts"}
@@ -73,7 +87,7 @@ def _batch(vocab: int, grouped: bool = False) -> dict:
 
 
 def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1,
-         grouped: bool = False) -> tuple[dict, dict]:
+         grouped: bool = False, own_rows: bool = False) -> tuple[dict, dict]:
     from hpc_verl.dataflow import DataflowGraph, HybridScheduler, Node, WorkerGroup
     from hpc_verl.trainer.config import load_config
 
@@ -95,7 +109,7 @@ def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1,
     sched = HybridScheduler(graph, backpressure=False)
     try:
         sched.start()
-        out = sched.call_all("roles", "update", batch)
+        out = sched.call_all("roles", "update", batch, own_rows=own_rows)
         weights = sched.call_all("roles", "weights")
         status = sched.get_status()
     finally:
@@ -112,25 +126,31 @@ def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1,
 @pytest.fixture(scope="module")
 def cluster():
     from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
-    c = start_sim_cluster([(3, 0)])
+    c = start_sim_cluster([(5, 0)])   # (logical CPUs: up to four ranks of one CPU each)
     try:
         yield c
     finally:
         stop_sim_cluster(c)
 
 
-@pytest.mark.parametrize("strategy,sp,grouped", [("ddp", 1, False), ("fsdp2", 1, False), ("ddp", 2, False),
-                                                 ("fsdp2", 2, False), ("ddp", 1, True), ("fsdp2", 1, True)],
-                         ids=["ddp", "fsdp2", "ddp-ulysses2", "fsdp2-ulysses2", "ddp-shared-prompts",
-                              "fsdp2-shared-prompts"])
-def test_two_ranks_update_like_one(cluster, tiny_model, strategy, sp, grouped):
+@pytest.mark.parametrize("strategy,sp,grouped,world,own_rows", [
+    ("ddp", 1, False, 2, False), ("fsdp2", 1, False, 2, False), ("ddp", 2, False, 2, False),
+    ("fsdp2", 2, False, 2, False), ("ddp", 1, True, 2, False), ("fsdp2", 1, True, 2, False),
+    ("ddp", 2, False, 4, False), ("fsdp2", 2, False, 4, False), ("ddp", 1, False, 2, True),
+    ("fsdp2", 1, True, 2, True)],
+    ids=["ddp", "fsdp2", "ddp-ulysses2", "fsdp2-ulysses2", "ddp-shared-prompts", "fsdp2-shared-prompts",
+         "ddp-dp2xsp2", "fsdp2-dp2xsp2", "ddp-own-rows", "fsdp2-shared-prompts-own-rows"])
+def test_two_ranks_update_like_one(cluster, tiny_model, strategy, sp, grouped, world, own_rows):
     """W=2 as two data-parallel ranks, or (ulysses2) as one data-parallel rank whose two ranks
-    split every sequence (Ulysses SP=2, all-to-all attention) - against W=1."""
+    split every sequence (Ulysses SP=2, all-to-all attention), or (dp2xsp2) four ranks: two
+    data-parallel replicas of two sequence-parallel ranks each - against W=1. With own-rows each
+    actor rank holds only the rows it trains on (``actor_rows``: two shuffled epochs, or in
+    order), as ``take_rows`` fetches them in a run."""
     import json
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     batch = _batch(vocab, grouped)
     m1, w1 = _run(str(tiny_model), 1, strategy, batch, grouped=grouped)
-    m2, w2 = _run(str(tiny_model), 2, strategy, batch, sp=sp, grouped=grouped)
+    m2, w2 = _run(str(tiny_model), world, strategy, batch, sp=sp, grouped=grouped, own_rows=own_rows)
     assert m2["actor/ulysses_sp"] == m2["critic/ulysses_sp"] == sp
     assert m1["share_prompts"] is True and m2["share_prompts"] is (sp == 1)   # (Ulysses splits sequences)
     phases = [f"timing_s/update_actor/{p}" for p in ("forward", "backward", "allreduce", "optimizer")]
@@ -140,7 +160,7 @@ def test_two_ranks_update_like_one(cluster, tiny_model, strategy, sp, grouped):
     for role in ("actor", "critic"):
         for name, t1 in w1[role].items():
             diff = float((t1 - w2[role][name]).abs().max())
-            assert diff < TOL, f"{strategy} {role}.{name}: W=2 differs from W=1 by {diff:g}"
+            assert diff < TOL, f"{strategy} {role}.{name}: W={world} (sp={sp}) differs from W=1 by {diff:g}"
     from transformers import AutoModelForCausalLM
     init = dict(AutoModelForCausalLM.from_pretrained(str(tiny_model)).named_parameters())
     moved = max(float((w1["actor"][n] - init[n].detach()).abs().max()) for n in init)

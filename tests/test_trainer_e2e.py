@@ -149,6 +149,21 @@ def test_tiny_model_learns_digit_task_through_dataflow(tiny_model, digits_data, 
         phases = [f"timing_s/update_actor/{p}{m}" for p in ("forward", "backward", "allreduce", "optimizer")
                   for m in ("", "_min")]
         assert all(all(k in r for k in phases) and r["perf/rank_imbalance"] >= 1 for r in _records(run_dir))
+        # each actor rank fetched only the rollout rows it trains on: half of every batch
+        ranks = status["nodes"]["actor_update"]["workers"]
+        total = sum(r["n_responses"] for r in _records(run_dir))
+        assert [w["fetched_rows"] for w in ranks] == [total // 2, total // 2]
+        # each rank's own phase times of its last update, in the status and on the dashboard
+        assert [w["rank"] for w in ranks] == [0, 1]
+        assert all(w["timings"]["update_actor/forward"] > 0 and w["timings"]["update_actor/allreduce"] >= 0
+                   for w in ranks)
+        from rich.console import Console
+
+        from hpc_verl.ops.dashboard import render
+        con = Console(record=True, width=200)
+        con.print(render([status]))
+        shown = con.export_text()
+        assert "per-rank phase times of the last update" in shown and "update_actor/backward" in shown
     from hpc_verl.trainer.metrics import plot_run
     assert plot_run(run_dir).stat().st_size > 1000
 

@@ -503,3 +503,62 @@ def test_snapshots_let_two_items_overlap_with_the_right_weights_for_each_version
     # from the versions; by the clock, a loaded CI machine may delay a rollout, so half suffices)
     assert sum(outs[i + 1]["rolled_at"] < outs[i]["t1"] for i in range(1, 7)) >= 3
     del roll
+
+
+# ---- take_rows: each rank fetches only the rows it uses ------------------------------------------
+def every_other_row(n: int, rank: int, world: int, item: dict) -> list[int]:
+    """Rank r uses rows r, r + world, ... : rows from every producer shard, so a rank needs a piece of each."""
+    return list(range(rank, n, world))
+
+
+class RowsUser:
+    """An SPMD rank that keeps what it was handed: its row numbers and the rows' x values."""
+
+    def __init__(self) -> None:
+        self.last: tuple | None = None
+
+    def process(self, joined: dict) -> dict:
+        from hpc_verl.dataflow import current_context
+        ctx = current_context()
+        batch = joined["rollout"]
+        self.last = (ctx.rank, ctx.row_ids, [x[0] for x in batch["x"]], list(batch["replica"]))
+        return {"rows": len(batch["x"]), "scores": joined["score"]}
+
+    def seen(self) -> tuple | None:
+        return self.last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_take_rows_ranks_fetch_only_their_rows_and_everyone_else_gets_whole_items(cluster):
+    g = DataflowGraph("take_rows")
+    wg = WorkerGroup("hybrid", 2, {"GPU": 1}, ranks_per_node=1)
+    with g:
+        r = Node("rollout", Rollout, group=wg, dispatch="split", split_key="uid")
+        t = Node("train", RowsUser, group=wg, take_rows=every_other_row)
+        s = Node("score", score)
+        Edge(r, s, co_locate=True)
+        Edge(r, t)
+        Edge(s, t)
+    sched = HybridScheduler(g, backpressure=False)
+    try:
+        sched.start()
+        out = sched.run({"rollout": [_batch()]}, sinks_only=False)
+        # the driver and a whole-item consumer (score) see every row; the spmd result is rank 0's
+        assert out["rollout"][0]["x"] == _batch()["x"] and out["train"][0] == {"rows": 3, "scores": {"n": 6}}
+        seen = sched.call_all("train", "seen")
+        status = sched.get_status()
+        assert [w["fetched_rows"] for w in status["nodes"]["train"]["workers"]] == [3, 3]
+        assert all(w["fetched_rows"] == 0 for w in status["nodes"]["score"]["workers"])
+        xs = [x[0] for x in _batch()["x"]]
+        for rank, (r_rank, rows, got, replicas) in enumerate(seen):
+            assert r_rank == rank and rows == list(range(rank, 6, 2))
+            assert got == [xs[i] for i in rows]                   # those rows' values, in order
+            assert set(replicas) == {0, 1}                        # a piece from each producer shard
+    finally:
+        sched.shutdown()
+    # a producer whose outputs are not its input rows one to one cuts nothing: whole shards then
+    from hpc_verl.dataflow import pieces
+    assert pieces.cut([{"x": [1, 2, 3]}], [(0, 2, 4)], {"train": every_other_row}, {"train": 2}) is None
+    with pytest.raises(DataflowError, match="take_rows is a function"):
+        Node("bad", RowsUser, group=WorkerGroup("w", 2, dist=False), dispatch="split", take_rows=every_other_row)

@@ -83,6 +83,7 @@ class WorkerContext:
     group: str | None = None
     process_group: Any = None   # the torch.distributed group of a dist worker group (None otherwise)
     shard_rows: tuple[int, int] | None = None   # split nodes: the rows [start, stop) of the current item
+    row_ids: list[int] | None = None   # take_rows nodes: the item's rows this rank got (None: all of them)
     _emitted: list[tuple[str, int, Any]] = field(default_factory=list)
 
     def emit_control(self, payload: Any, version: int, data_type: str | None = None) -> None:

@@ -23,7 +23,7 @@ import inspect
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 from hpc_verl.errors import DataflowError
 from hpc_verl.util.suggest import did_you_mean
@@ -110,7 +110,8 @@ class Node:
                  method: str = "process", control_method: str = "on_control", ulysses: bool | None = None,
                  min_parallelism: int = 1, max_parallelism: int | None = None, func: Any = None,
                  group: WorkerGroup | None = None, dispatch: str | None = None, split_key: str | None = None,
-                 collect: Callable[[list[Any]], Any] | None = None, host: WorkerGroup | None = None) -> None:
+                 collect: Callable[[list[Any]], Any] | None = None, host: WorkerGroup | None = None,
+                 take_rows: Callable[[int, int, int, Any], Sequence[int]] | None = None) -> None:
         self.name = _check_name("node", name)
         if target is None and func is not None:
             target = func
@@ -152,6 +153,12 @@ class Node:
             raise DataflowError(f"node '{name}': split_key is for dispatch='split' nodes")
         if collect is not None and not callable(collect):
             raise DataflowError(f"node '{name}': collect={collect!r} must be a function of the list of shards")
+        if take_rows is not None and (dispatch != "spmd" or not callable(take_rows)):
+            raise DataflowError(f"node '{name}': take_rows is a function (rows, rank, world, item) -> the rows "
+                                f"this rank consumes, for a dispatch='spmd' node")
+        # the rows of an item from a split producer that each rank consumes: the producer cuts them out,
+        # and a rank fetches only its own (None: every rank fetches every shard)
+        self.take_rows = take_rows
         self.group = group
         self.host = host
         self.split_key = split_key

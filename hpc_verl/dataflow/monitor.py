@@ -178,7 +178,9 @@ class Monitor:
                                     "draining": inst.draining, "outstanding": inst.outstanding,
                                     "processed": int(inst.stats.get("processed", 0)),
                                     "rows": int(inst.stats.get("rows", 0)),
-                                    "versions": inst.stats.get("versions", {})})
+                                    "versions": inst.stats.get("versions", {}),
+                                    "timings": inst.stats.get("timings", {}),
+                                    "fetched_rows": int(inst.stats.get("fetched_rows", 0))})
                 group = node.group
                 nodes[name] = {"parallelism": len(self.pool.routable[name]), "workers": workers,
                                "world_size": self.pool.world.get(group.name, group.world_size) if group else 1,

@@ -159,13 +159,18 @@ class InstancePool:
         node = g.nodes[ip.node]
         in_ctl = g.in_edges(ip.node, control=True)
         inputs = [{"key": e.key, "src": e.src_name, "src_dispatch": g.nodes[e.src_name].dispatch,
-                   "src_collect": g.nodes[e.src_name].collect} for e in g.in_edges(ip.node)]
+                   "src_collect": g.nodes[e.src_name].collect,
+                   "planned": node.take_rows is not None and g.nodes[e.src_name].dispatch == "split"}
+                  for e in g.in_edges(ip.node)]
+        # a split node cuts each of its outputs into the rows that each rank of a take_rows consumer uses
+        plans = ({e.dst_name: g.nodes[e.dst_name].take_rows for e in g.out_edges(ip.node)
+                  if g.nodes[e.dst_name].take_rows is not None} if node.dispatch == "split" else {})
         return {"instance_id": ip.instance_id, "index": ip.index, "target": node.target, "is_class": node.is_class,
                 "method": node.method,
                 "control_method": node.control_method, "dispatch": node.dispatch, "split_key": node.split_key,
                 "in_control": [e.key for e in in_ctl], "edge_of": {e.key: e.data_type or e.key for e in in_ctl},
                 "out_control": [e.data_type or e.key for e in g.out_edges(ip.node, control=True)],
-                "inputs": inputs}
+                "inputs": inputs, "row_plans": plans}
 
     def _setup(self, procs: list[Proc]) -> None:
         """Rendezvous of every dist group among ``procs``, then build the node objects."""

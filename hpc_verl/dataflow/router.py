@@ -14,7 +14,7 @@ import itertools
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
-from hpc_verl.dataflow import spmd
+from hpc_verl.dataflow import pieces, spmd
 from hpc_verl.dataflow.board import ControlBoard
 from hpc_verl.dataflow.graph import DataflowGraph, DataflowRunError
 from hpc_verl.dataflow.pool import Instance, InstancePool
@@ -54,6 +54,10 @@ class Router:
         self._watch = set(graph.sinks()) | (set(self._emitters) & set(self._flow)) | {
             n for n in self._flow if graph.nodes[n].group is not None}
         self.window = min((e.capacity for e in graph.data_edges()), default=256)
+        # split nodes that cut their outputs for take_rows consumers (pieces): those consumers' groups
+        self._planned = {n: [(e.dst_name, graph.nodes[e.dst_name].group.name) for e in graph.out_edges(n)
+                             if graph.nodes[e.dst_name].take_rows is not None]
+                         for n, nd in graph.nodes.items() if nd.dispatch == "split"}
 
     # ---- run -----------------------------------------------------------------------
     def run(self, inputs: dict[str, Sequence[Any]] | Sequence[Any], sinks_only: bool = True,
@@ -189,7 +193,7 @@ class Router:
             vals: list[Any] = []
             pos = 0
             for n in per:
-                vals.extend(spmd.gather_items([e[1] for e in flat[pos:pos + n]], node.collect))
+                vals.extend(spmd.gather_items([pieces.outputs(e) for e in flat[pos:pos + n]], node.collect))
                 pos += n
             return vals
         return [v for env in ray.get([track.refs[name][0] for track in tracks]) for v in env[1]]
@@ -241,8 +245,12 @@ class Router:
                     insts = list(self.pool.routable[node])
                     if not insts:
                         raise DataflowError(f"node '{node}' has no live ranks")
+                planned = self._planned.get(node)
                 if required is None and nd.group is None and len(insts[0].proc.nodes) == 1:
                     track.refs[node] = [insts[0].handle.run_sole.remote(*args)]
+                elif planned:   # the consumers' current sizes: the producer cuts their rows out
+                    sizes = {dst: self.pool.world[group] for dst, group in planned}
+                    track.refs[node] = [i.handle.run.remote(node, required, *args, plans=sizes) for i in insts]
                 else:
                     track.refs[node] = [i.handle.run.remote(node, required, *args) for i in insts]
                 track.insts[node] = insts

@@ -104,6 +104,20 @@ def take_rows(item: Any, start: int, stop: int, n: int | None = None) -> Any:
     return item[start:stop]
 
 
+def take_index(item: Any, idx: Sequence[int], n: int) -> Any:
+    """Rows ``idx`` (positions, in order) of every row-shaped field of ``item`` (``n`` rows); other
+    fields ride along unchanged."""
+    if isinstance(item, dict):
+        return {k: (take_index(v, idx, n) if (isinstance(v, list) or _is_array(v)) and len(v) == n else v)
+                for k, v in item.items()}
+    if isinstance(item, list):
+        return [item[i] for i in idx]
+    if type(item).__module__.split(".")[0] == "torch":
+        import torch
+        return item[torch.as_tensor(list(idx), dtype=torch.long)]
+    return item[list(idx)]
+
+
 def gather_items(outputs: Sequence[Sequence[Any]], collect: Any = None) -> list[Any]:
     """``outputs[rank][j]``: rank's shard of item j -> item j gathered (``collect``, default concat)."""
     merge = collect or concat

@@ -31,7 +31,7 @@ from typing import Any
 import ray
 
 from hpc_verl.dataflow import context as _context
-from hpc_verl.dataflow import spmd
+from hpc_verl.dataflow import pieces, spmd
 from hpc_verl.dataflow.context import SNAPSHOT, TENSORS, ControlMessage, WorkerContext
 from hpc_verl.dataflow.graph import DataflowRunError
 from hpc_verl.errors import DataflowError
@@ -70,12 +70,14 @@ class _Hosted:
         self.dispatch = spec["dispatch"]
         self.split_key = spec.get("split_key")
         self.inputs = list(spec.get("inputs", ()))
+        self.row_plans = dict(spec.get("row_plans") or {})   # consumer -> its take_rows (pieces.cut)
         self.edge_of = dict(spec.get("edge_of", {}))  # control edge key -> data_type
         self.obj: Any = None
         self.handler: Any = None
         self.on_control: Any = None
         self.processed = 0
         self.rows = 0
+        self.fetched_rows = 0   # rows handed to it through take_rows (its own rows of split items)
         self.busy_s = 0.0
         self.stale_rejected: dict[str, int] = {}
         self.rejections: list[tuple[str, int, int]] = []  # (edge, stale version, version held)
@@ -101,7 +103,19 @@ class _Hosted:
                             "p95_ms": 1000 * vals[min(len(vals) - 1, int(0.95 * len(vals)))]}
         return {"processed": self.processed, "rows": self.rows, "busy_s": self.busy_s, "latency": lat,
                 "versions": dict(self.ctx.versions), "stale_rejected": dict(self.stale_rejected),
-                "rejections": list(self.rejections[-64:]), "errors": self.errors}
+                "rejections": list(self.rejections[-64:]), "errors": self.errors, "timings": self.timings(),
+                "fetched_rows": self.fetched_rows}
+
+    def timings(self) -> dict[str, float]:
+        """The node's own seconds per phase of its last item (``obj.timings()``, optional): what the
+        dashboard shows per rank. A node that has none, or fails to say, shows none."""
+        fn = getattr(self.obj, "timings", None)
+        if fn is None:
+            return {}
+        try:
+            return {str(k): float(v) for k, v in dict(fn()).items()}
+        except Exception:  # noqa: BLE001 - a status poll must never break a worker
+            return {}
 
 
 @ray.remote(concurrency_groups={"control": 2, "monitor": 1}, max_concurrency=1)
@@ -326,20 +340,28 @@ class DataflowWorker:
         router's call for a routed instance, two arguments fewer to serialise per micro-batch."""
         return self.run(next(iter(self.hosted)), None, *inputs)
 
-    def run(self, node: str, required: dict | None, *inputs: Any) -> list:
+    def run(self, node: str, required: dict | None, *inputs: Any, plans: dict[str, int] | None = None) -> list:
         """Process one micro-batch of ``node``. Inputs: per incoming data edge an envelope,
-        or the list of shard envelope refs of a split producer; at a source the items."""
+        or the list of shard envelope refs of a split producer; at a source the items.
+        ``plans``: the current world size of each take_rows consumer (pieces.cut)."""
         h = self.hosted[node]
         t0 = time.time()
+        held: list[list[int]] | None = None   # take_rows: each item's rows this rank fetched
         if h.inputs:
             per_edge = []
             for desc, arg in zip(h.inputs, inputs):
                 t_in = t0
                 if desc["src_dispatch"] == "split":   # shard refs: this handler waits for the producer here
                     envs = ray.get(list(arg))
-                    t_in = time.time()
                     t_done = max(e[0] for e in envs)
-                    values = spmd.gather_items([e[1] for e in envs], desc["src_collect"])
+                    got = (pieces.fetch(envs, node, self.rank, self.world_size, desc["src_collect"])
+                           if desc.get("planned") else None)
+                    if got is not None:
+                        values, held = got
+                        h.fetched_rows += sum(len(r) for r in held)
+                    else:
+                        values = spmd.gather_items([pieces.outputs(e) for e in envs], desc["src_collect"])
+                    t_in = time.time()
                 else:
                     t_done, values = arg[0], arg[1]
                 buf = h.latency.get(desc["key"])
@@ -360,19 +382,23 @@ class DataflowWorker:
             _context._CONTEXT = h.ctx
             emitted = h.ctx._emitted = []
             rows = 0
+            spans: list[tuple[int, int, int]] = []
             try:
                 outs = []
-                for item in batch:
+                for j, item in enumerate(batch):
                     if h.dispatch == "split":
                         bounds = spmd.split_bounds(item, self.world_size, h.split_key)
                         start, stop = bounds[self.rank]
                         h.ctx.shard_rows = (start, stop)
-                        item = spmd.take_rows(item, start, stop, spmd.num_rows(item))
+                        n = spmd.num_rows(item)
+                        spans.append((start, stop, n))
+                        item = spmd.take_rows(item, start, stop, n)
                         rows += stop - start
                     elif h.dispatch == "spmd":
                         rows += _rows_of(item) // self.world_size   # this rank's share of the work
                     else:
                         rows += _rows_of(item)
+                    h.ctx.row_ids = held[j] if held is not None else None
                     outs.append(h.handler(item))
             except Exception as exc:
                 h.errors += 1
@@ -381,12 +407,17 @@ class DataflowWorker:
             finally:
                 h.ctx._emitted = []
                 h.ctx.shard_rows = None
+                h.ctx.row_ids = None
         t1 = time.time()
         h.processed += len(batch)
         h.rows += rows
         h.busy_s += t1 - t0
         if h.dispatch == "spmd" and self.rank:
             return [t1, [None] * len(outs), None]   # rank 0's result is the node's; nothing to ship
+        planned = (pieces.cut(outs, spans, {d: h.row_plans[d] for d in plans if d in h.row_plans}, plans)
+                   if plans and h.row_plans and spans else None)
+        if planned is not None:   # each consumer rank fetches its own rows (pieces)
+            return [t1, None, self._ship(emitted), planned]
         return [t1, outs, self._ship(emitted)]     # (a list: see the module docstring)
 
     def _ship(self, emitted: list) -> list | None:

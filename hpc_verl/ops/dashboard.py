@@ -140,12 +140,35 @@ def render(snapshots: list[dict[str, Any]]) -> Any:
                 if e.get("transfer"):
                     ver += f", {e['transfer']['mode']} {1000 * e['transfer']['seconds']:.1f} ms"
             edges.add_row(key, kind, qs, lat, str(e.get("items")), ver)
+        ranks = _timings_table(snap)
         log = Text("\n".join(snap.get("decisions", [])[-12:]) or "(no decisions yet)")
         age = time.time() - float(snap.get("time", time.time()))
         title = (f"graph {snap.get('graph')}  items in {snap.get('items_in')} / out {snap.get('items_out')}  "
                  f"(snapshot {age:.1f}s old)")
-        parts.append(Panel(Group(nodes, heat, edges, Panel(log, title="decision log")), title=title))
+        body = [nodes, heat, edges] + ([ranks] if ranks is not None else []) + [Panel(log, title="decision log")]
+        parts.append(Panel(Group(*body), title=title))
     return Group(*parts)
+
+
+def _timings_table(snap: dict[str, Any]) -> Any:
+    """Per rank, the phase times of its last update (forward, backward, the all-reduce it waited
+    for, optimizer): where a slow rank loses its time; None when no node reports any."""
+    from rich.table import Table
+
+    rows = [(name, w, w["timings"]) for name, n in snap.get("nodes", {}).items() for w in n.get("workers", [])
+            if w.get("timings")]
+    if not rows:
+        return None
+    cols = list(dict.fromkeys(k for _, _, t in rows for k in t))
+    table = Table(title="per-rank phase times of the last update (s)", expand=True)
+    for col in ("node", "rank", *cols):
+        table.add_column(col)
+    slowest = {c: max(t.get(c, 0.0) for _, _, t in rows) for c in cols}
+    for name, w, t in rows:
+        cells = [f"[bold]{t[c]:.3f}[/bold]" if c in t and t[c] == slowest[c] and len(rows) > 1
+                 else (f"{t[c]:.3f}" if c in t else "-") for c in cols]
+        table.add_row(name, "-" if w.get("rank") is None else str(w["rank"]), *cells)
+    return table
 
 
 def run_dashboard(address: str | None = None, graph: str | None = None, once: bool = False, as_json: bool = False,

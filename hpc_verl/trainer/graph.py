@@ -8,6 +8,7 @@ unit tests of the nodes' logic (no Ray, no scheduler).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -40,6 +41,7 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
     """Declare the PPO dataflow for ``cfg`` (a plain dict)."""
     from hpc_verl.dataflow import DataflowGraph, Edge, Node
     from hpc_verl.trainer import nodes as N   # (torch: not at import, so Ray can start before it loads)
+    from hpc_verl.trainer.workers import actor_rows
 
     topo = topology(cfg)
     groups = worker_groups(cfg, topo)
@@ -71,8 +73,10 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
         else:
             adv = Node("critic", N.CriticNode, group=group("critic"), dispatch="spmd", init_args=(cfg, total_steps),
                        ulysses=_sp(cfg, "critic") > 1)
+        # each rank fetches only the rollout rows it trains on (the rollout cuts them out)
         actor = Node("actor_update", N.ActorNode, group=group("actor"), dispatch="spmd",
-                     init_args=(cfg, total_steps), ulysses=_sp(cfg, "actor") > 1)
+                     init_args=(cfg, total_steps), ulysses=_sp(cfg, "actor") > 1,
+                     take_rows=functools.partial(actor_rows, cfg))
         # scores are a few bytes per response: keep reward next to the rollout
         Edge(rollout, reward, data_type="rollout_batch", co_locate=True)
         Edge(rollout, adv, data_type="rollout_batch")

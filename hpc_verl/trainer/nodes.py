@@ -227,7 +227,9 @@ class AdvantageNode(_AdvantageMixin):
         algo = self.cfg["algorithm"]
         adv = A.outcome_advantages(algo["adv_estimator"], rewards, batch["response_mask"], batch["uid"],
                                    gamma=algo["gamma"], norm_adv_by_std_in_grpo=algo["norm_adv_by_std_in_grpo"])
-        return self._passed_on({"advantages": adv, "scores": scores, "metrics": metrics}, ref, {})
+        return self._passed_on({"advantages": adv, "scores": scores, "metrics": metrics,
+                                "response_mask": batch["response_mask"],
+                                "total_tokens": int(batch["attention_mask"].sum())}, ref, {})
 
     def state_dict(self) -> dict:
         return {"kl_ctrl": self.kl_ctrl.state_dict()}
@@ -248,6 +250,10 @@ class CriticNode(_AdvantageMixin, _Ulysses):
         self._init_kl(cfg)
         self.worker = W.CriticWorker(cfg, total_steps)
 
+    def timings(self) -> dict[str, float]:
+        """This rank's phase times of its last value update (the dashboard's per-rank table)."""
+        return {f"update_critic/{k}": v for k, v in self.worker.model.phases.last.items()}
+
     def process(self, joined: dict) -> dict:
         from hpc_verl.trainer import algorithms as A
         batch = dict(joined["actor_rollout"])
@@ -264,7 +270,9 @@ class CriticNode(_AdvantageMixin, _Ulysses):
         counts["fwd_rows"] += batch["responses"].shape[0]   # the values pass, over all ranks
         metrics.update(update)
         metrics["critic/values/mean"] = float(A.masked_mean(batch["values"], batch["response_mask"]))
-        return self._passed_on({"advantages": adv, "scores": scores, "metrics": metrics}, ref, counts)
+        return self._passed_on({"advantages": adv, "scores": scores, "metrics": metrics,
+                                "response_mask": batch["response_mask"],
+                                "total_tokens": int(batch["attention_mask"].sum())}, ref, counts)
 
     def save_checkpoint(self, path: str) -> None:
         self.worker.save_checkpoint(path)
@@ -302,28 +310,38 @@ class ActorNode(_Ulysses):
         self.overlap = bool(cfg["hpc_verl"]["one_step_off_policy"])
         self._snapshots: dict[int, list] = {}
 
+    def timings(self) -> dict[str, float]:
+        """This rank's phase times of its last policy update (the dashboard's per-rank table)."""
+        return {f"update_actor/{k}": v for k, v in self.worker.model.phases.last.items()}
+
     def process(self, joined: dict) -> dict:
+        import torch
         batch = dict(joined["actor_rollout"])
         adv_src = joined.get("critic") or joined.get("advantage")
-        batch["advantages"] = adv_src["advantages"]
+        # the rows this rank fetched (its take_rows: the ones it trains on), or the whole batch
+        mask = adv_src.get("response_mask", batch["response_mask"])
+        rows = _context().row_ids
+        held = None if rows is None or len(rows) == mask.shape[0] else (rows, mask)
+        pick = (lambda t: t) if held is None else (lambda t: t[torch.as_tensor(rows, dtype=torch.long)])
+        batch["advantages"] = pick(adv_src["advantages"])
         if "ref_log_prob" in adv_src:
-            batch["ref_log_prob"] = adv_src["ref_log_prob"]
-        mask = batch["response_mask"]
+            batch["ref_log_prob"] = pick(adv_src["ref_log_prob"])
         own_rows = 0
         t0 = time.perf_counter()
         if self.cfg["hpc_verl"]["old_log_prob_from_rollout"] and "rollout_log_prob" in batch:
             # the sampler's log-probs (the behaviour policy's, checked by version): skip the extra forward
             batch["old_log_prob"] = batch["rollout_log_prob"]
         else:
-            lp, _ = self.worker.compute_log_prob(batch)
+            lp, own = self.worker.compute_log_prob(batch, held=held is not None)
             batch.update(lp)
-            own_rows = batch["responses"].shape[0]
+            own_rows = (int(self.worker.par.all_reduce_sum(torch.tensor([float(own)]))[0]) if held is not None
+                        else mask.shape[0])
         t_old = time.perf_counter() - t0
         metrics = dict(adv_src.get("metrics", {}))
         step = int(batch.get("step", 0))
         t0 = time.perf_counter()
         if step > int(self.cfg["trainer"]["critic_warmup"]):
-            update = self.worker.update_policy(batch, step=step)
+            update = self.worker.update_policy(batch, step=step, held=held)
             if self.overlap:
                 self._freeze(self.worker.version)
                 _context().emit_control(SNAPSHOT, self.worker.version)
@@ -337,7 +355,7 @@ class ActorNode(_Ulysses):
         metrics.update(update)
         scores = adv_src["scores"]
         lengths = mask.sum(-1)
-        adv = batch["advantages"][mask.bool()]
+        adv = adv_src["advantages"][mask.bool()]
         metrics.update({   # verl's names (verl/trainer/ppo/metric_utils.py) for what we compute
             "critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
             "critic/score/min": float(scores.min()),
@@ -349,7 +367,8 @@ class ActorNode(_Ulysses):
             "response_length/clip_ratio": float((lengths >= mask.shape[1]).float().mean()),
             "rollout/policy_version": int(batch["policy_version"]),
             "n_responses": int(mask.shape[0]), "n_response_tokens": int(mask.sum()),
-            "n_total_tokens": int(batch["attention_mask"].sum()),   # prompt + response (verl's global_token_num)
+            # prompt + response (verl's global_token_num), of the whole batch
+            "n_total_tokens": int(adv_src.get("total_tokens", batch["attention_mask"].sum())),
             "timing_s/gen": float(max(batch.get("gen_time_s", [0.0]))),
             "timing_s/old_log_prob": t_old, "timing_s/update_actor": t_update,   # (this rank's, as verl)
             "timing_s/update_weights": float(max(batch.get("sync_time_s", [0.0]))),   # (the version it used)

@@ -61,6 +61,7 @@ class PhaseClock:
 
     def __init__(self) -> None:
         self.times = dict.fromkeys(PHASES, 0.0)
+        self.last: dict[str, float] = {}      # the last finished update's, this rank's (the dashboard's)
         self.comm: CommTimer | None = None   # DDP
         self.comm_s = 0.0                    # FSDP2: time inside its reduce-scatters
         self.measures_comm = False
@@ -90,6 +91,7 @@ class PhaseClock:
         ``perf/rank_imbalance_update_critic``); a collective: every rank calls it."""
         import torch
 
+        self.last = dict(self.times)
         own = [self.times[p] for p in PHASES]
         local = torch.tensor(own + [sum(own)], dtype=torch.float64)
         hi, lo = local.clone(), -local

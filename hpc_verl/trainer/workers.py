@@ -1,8 +1,9 @@
 """The PPO roles that hold models, as plain classes (the graph's nodes wrap them).
 
-A role runs as one rank of its worker group (``parallel.Parallel``). Every rank
-gets the whole batch (from the object store, shared by the ranks of a Ray node)
-and computes only its share:
+A role runs as one rank of its worker group (``parallel.Parallel``). A rank gets
+the whole batch (from the object store, shared by the ranks of a Ray node), or
+for the actor's update only the rows it trains on (``actor_rows``, fetched as
+pieces), and computes only its share:
 
 - forward-only passes (old log-probs, values) take this rank's contiguous rows,
   then all ranks' rows are gathered in order;
@@ -27,6 +28,46 @@ from hpc_verl.trainer.lm import (can_share_prompts, chunks, cpu_linears, load_ca
                                  response_log_probs, setup_threads, sub_batch, torch_mod)
 from hpc_verl.trainer.parallel import (Parallel, TrainModel, full_tensors, load_sharded, offload_optimizer,
                                        save_sharded, shard_model, shards)
+
+
+ACTOR_SEED_OFFSET = 101   # the actor's shuffle seed: trainer.seed + this
+
+
+def update_generator(seed: int, step: int) -> Any:
+    """The shuffle generator of a role's update at ``step`` (the same on every rank)."""
+    return torch_mod().Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def minibatches(n_rows: int, mini_rows: int, epochs: int, shuffle: bool, gen: Any, dp_rank: int,
+                dp_world: int) -> Any:
+    """``(rows of the mini-batch, this data-parallel rank's rows of it)`` in update order: one rule
+    for the update loop and for the rows a rank fetches before it (``actor_rows``)."""
+    torch = torch_mod()
+    mini_rows = min(mini_rows, n_rows)
+    per_rank = mini_rows // dp_world
+    for _ in range(epochs):
+        order = torch.randperm(n_rows, generator=gen) if shuffle else torch.arange(n_rows)
+        for start in range(0, n_rows, mini_rows):
+            idx = order[start:start + mini_rows]
+            yield idx, idx[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+
+
+def actor_rows(cfg: dict, n_rows: int, rank: int, world: int, item: Any) -> list[int]:
+    """The rows rank ``rank`` of the actor trains on at the item's step (its ``take_rows``): known
+    before the batch is fetched, so a rank fetches only these. Every row where Ulysses splits
+    sequences (its data-parallel size may change at run time) or the batch does not split evenly
+    (the update then says why)."""
+    a = cfg["actor_rollout_ref"]["actor"]
+    mini = int(a["ppo_mini_batch_size"]) * int(cfg["actor_rollout_ref"]["rollout"]["n"])
+    sp = int(a["fsdp_config"].get("ulysses_sequence_parallel_size") or 1)
+    if sp > 1 or world < 1 or min(mini, n_rows) % world:
+        return list(range(n_rows))
+    step = int(item.get("step", 0)) if isinstance(item, dict) else 0
+    gen = update_generator(int(cfg["trainer"]["seed"]) + ACTOR_SEED_OFFSET, step)
+    rows: set[int] = set()
+    for _, local in minibatches(n_rows, mini, int(a["ppo_epochs"]), bool(a["shuffle"]), gen, rank, world):
+        rows.update(int(g) for g in local)
+    return sorted(rows)
 
 
 def _counts(par: Parallel, fwd: int = 0, bwd: int = 0, steps: int = 0) -> dict[str, int]:
@@ -86,12 +127,14 @@ class _SequenceParallel:
                                   share_prompts=self.share_prompts)
 
     def _forward_rows(self, batch: dict, micro: int | None, fn: Callable[[dict], Any],
-                      eval_module: Any = None) -> tuple[Any, int]:
+                      eval_module: Any = None, held: bool = False) -> tuple[Any, int]:
         """``fn`` (no grad) on this data-parallel rank's rows in micro-batches, then every
-        data-parallel rank's rows in order; returns (rows, this rank's row count)."""
+        data-parallel rank's rows in order; returns (rows, this rank's row count). With ``held``
+        ``batch`` is this rank's own rows: all of them, nothing gathered."""
         torch = torch_mod()
         view = self.view()
-        start, stop = view.rows(batch["responses"].shape[0])
+        n = batch["responses"].shape[0]
+        start, stop = (0, n) if held else view.rows(n)
         mine = sub_batch(batch, slice(start, stop))
         if eval_module is not None:
             eval_module.eval()
@@ -99,7 +142,8 @@ class _SequenceParallel:
         with torch.no_grad():
             for sl in chunks(stop - start, micro):
                 outs.append(fn(sub_batch(mine, sl)).float())
-        return view.all_gather_rows(torch.cat(outs)).cpu(), (stop - start if view.sp_rank == 0 else 0)
+        own = torch.cat(outs)
+        return (own if held else view.all_gather_rows(own)).cpu(), (stop - start if view.sp_rank == 0 else 0)
 
 
 class _Trainable(_SequenceParallel):
@@ -130,14 +174,17 @@ class _Trainable(_SequenceParallel):
     def _updates(self, batch: dict, mini_rows: int, micro: int | None, epochs: int, shuffle: bool, gen: Any,
                  grad_clip: float, agg_mode: str, loss_scale_factor: float | None,
                  loss_fn: Callable[[dict, float, float], tuple[Any, list[Any]]], names: list[str],
-                 prefix: str) -> dict[str, float]:
+                 prefix: str, held: tuple[list[int], Any] | None = None) -> dict[str, float]:
         """PPO epochs over global mini-batches (one optimiser step each); this rank's slice of
         each in micro-batches with gradient accumulation; clipping on the global norm.
         ``loss_fn(micro_batch, denom, token_denom) -> (loss, [stats...])`` returns this
         part's share (see ``algorithms.agg_loss``)."""
         torch = torch_mod()
         par = self.view()
-        n_rows = batch["responses"].shape[0]
+        # held: (the rows of the whole batch that ``batch`` holds, the whole batch's response mask)
+        full_mask = batch["response_mask"] if held is None else held[1]
+        at = None if held is None else {int(g): i for i, g in enumerate(held[0])}
+        n_rows = full_mask.shape[0]
         mini_rows = min(mini_rows, n_rows)
         if mini_rows % par.dp_world:
             raise HpcVerlError(f"{prefix}: a mini-batch of {mini_rows} responses does not split over "
@@ -153,33 +200,31 @@ class _Trainable(_SequenceParallel):
         skipped = fwd = 0
         clock = self.model.phases
         clock.reset()
-        for _ in range(epochs):
-            order = torch.randperm(n_rows, generator=gen) if shuffle else torch.arange(n_rows)
-            for start in range(0, n_rows, mini_rows):
-                idx = order[start:start + mini_rows]
-                mask = batch["response_mask"][idx]
-                denom = A.loss_denominator(mask, agg_mode, loss_scale_factor)
-                token_denom = A.loss_denominator(mask, "token-mean")
-                local = idx[par.dp_rank * per_rank:(par.dp_rank + 1) * per_rank]
-                parts = list(chunks(len(local), micro))
-                acc = torch.zeros(len(names), dtype=torch.float64)
-                for j, sl in enumerate(parts):
-                    mb = sub_batch(batch, local[sl])
-                    with self.model.grad_sync(j == len(parts) - 1):
-                        t0 = time.perf_counter()
-                        loss, stats = loss_fn(mb, denom, token_denom)
-                        clock.add("forward", time.perf_counter() - t0)
-                        # DDP/FSDP average over all world ranks; the SP ranks of a group each hold their
-                        # share of one loss's gradient (ulysses.gather_seq), so x world is the sum
-                        clock.backward(loss * par.world)
-                    acc += torch.tensor([float(s) for s in stats], dtype=torch.float64)
-                    fwd += len(local[sl]) if par.sp_rank == 0 else 0
-                sums.append((par.all_reduce_sum(acc) / par.sp).tolist())   # the SP ranks computed the same
-                t0 = time.perf_counter()
-                norm, ok = self._step(grad_clip)
-                clock.add("optimizer", time.perf_counter() - t0)
-                norms.append(norm)
-                skipped += 0 if ok else 1
+        for idx, local in minibatches(n_rows, mini_rows, epochs, shuffle, gen, par.dp_rank, par.dp_world):
+            mask = full_mask[idx]
+            denom = A.loss_denominator(mask, agg_mode, loss_scale_factor)
+            token_denom = A.loss_denominator(mask, "token-mean")
+            if at is not None:   # the rows' places in what this rank holds
+                local = torch.tensor([at[int(g)] for g in local], dtype=torch.long)
+            parts = list(chunks(len(local), micro))
+            acc = torch.zeros(len(names), dtype=torch.float64)
+            for j, sl in enumerate(parts):
+                mb = sub_batch(batch, local[sl])
+                with self.model.grad_sync(j == len(parts) - 1):
+                    t0 = time.perf_counter()
+                    loss, stats = loss_fn(mb, denom, token_denom)
+                    clock.add("forward", time.perf_counter() - t0)
+                    # DDP/FSDP average over all world ranks; the SP ranks of a group each hold their
+                    # share of one loss's gradient (ulysses.gather_seq), so x world is the sum
+                    clock.backward(loss * par.world)
+                acc += torch.tensor([float(s) for s in stats], dtype=torch.float64)
+                fwd += len(local[sl]) if par.sp_rank == 0 else 0
+            sums.append((par.all_reduce_sum(acc) / par.sp).tolist())   # the SP ranks computed the same
+            t0 = time.perf_counter()
+            norm, ok = self._step(grad_clip)
+            clock.add("optimizer", time.perf_counter() - t0)
+            norms.append(norm)
+            skipped += 0 if ok else 1
         self.scheduler.step()   # once per training step (verl), not per PPO epoch or mini-batch
         if self.optimizer_offload:
             offload_optimizer(self.optimizer, "cpu")
@@ -261,22 +306,24 @@ class ActorWorker(_Trainable):
                             total_steps)
         self.share_prompts = self.sp_configured == 1 and can_share_prompts(module)
         self.version = 0
-        self.seed = int(cfg["trainer"]["seed"]) + 101
+        self.seed = int(cfg["trainer"]["seed"]) + ACTOR_SEED_OFFSET
         self.n = int(cfg["actor_rollout_ref"]["rollout"]["n"])
         self.temperature = float(cfg["actor_rollout_ref"]["rollout"]["temperature"])
 
-    def compute_log_prob(self, batch: dict) -> tuple[dict, int]:
+    def compute_log_prob(self, batch: dict, held: bool = False) -> tuple[dict, int]:
+        """Old log-probs of every row (each rank its share, then gathered), or with ``held`` of
+        the rows this rank holds (its own rows: nothing to gather)."""
         micro = self.cfg["actor_rollout_ref"]["rollout"]["log_prob_micro_batch_size_per_gpu"]
         lp, rows = self._forward_rows(batch, micro, lambda mb: self._log_probs(self.model, mb, self.temperature),
-                                      self.model)
+                                      self.model, held=held)
         return {"old_log_prob": lp}, rows
 
-    def update_policy(self, batch: dict, step: int = 0) -> dict:
+    def update_policy(self, batch: dict, step: int = 0, held: tuple[list[int], Any] | None = None) -> dict:
         """PPO epochs over mini-batches (one optimiser step each), micro-batches accumulate grads."""
         a = self.acfg
         use_kl_loss = a["use_kl_loss"] and "ref_log_prob" in batch
         torch = torch_mod()
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        gen = update_generator(self.seed, step)
         dev = self.device
 
         def loss_fn(m: dict, denom: float, token_denom: float) -> tuple[Any, list[Any]]:
@@ -299,7 +346,7 @@ class ActorWorker(_Trainable):
         names = ["pg_loss", "entropy", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "kl_loss"]
         out = self._updates(batch, a["ppo_mini_batch_size"] * self.n, a["ppo_micro_batch_size_per_gpu"],
                             a["ppo_epochs"], a["shuffle"], gen, a["grad_clip"], a["loss_agg_mode"],
-                            a["loss_scale_factor"], loss_fn, names, "actor")
+                            a["loss_scale_factor"], loss_fn, names, "actor", held=held)
         if not use_kl_loss:
             out.pop("actor/kl_loss")
         self.version += 1
@@ -363,7 +410,7 @@ class CriticWorker(_Trainable):
         c = self.ccfg
         dev = self.device
         torch = torch_mod()
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        gen = update_generator(self.seed, step)
 
         def loss_fn(m: dict, denom: float, token_denom: float) -> tuple[Any, list[Any]]:
             mask = m["response_mask"].to(dev)
