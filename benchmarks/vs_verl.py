@@ -158,11 +158,19 @@ class StepClock(threading.Thread):
 
         with open(self.log, "wb") as fh:
             if self.metrics_dir is None:
+                text: list[str] = []
                 for raw in self.proc.stdout:   # type: ignore[union-attr]
                     fh.write(raw)
-                    for rec in steps_from_log(raw.decode(errors="replace")):
-                        if all(rec.get("step") != seen.get("step") for _, seen in self.steps):
-                            self.steps.append((time.time(), rec))   # (a step printed again counts once)
+                    text.append(raw.decode(errors="replace"))
+                    if " - " not in text[-1]:
+                        continue
+                    # parsed as a whole: Ray forwards a long step line in pieces (metrics_table)
+                    seen = {rec["step"]: k for k, (_, rec) in enumerate(self.steps)}
+                    for rec in steps_from_log("".join(text)):
+                        if rec["step"] in seen:                  # (a step printed again counts once)
+                            self.steps[seen[rec["step"]]][1].update(rec)
+                        else:
+                            self.steps.append((time.time(), rec))
                 return
             reader = threading.Thread(target=lambda: [fh.write(raw) for raw in self.proc.stdout], daemon=True)
             reader.start()

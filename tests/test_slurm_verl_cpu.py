@@ -27,8 +27,8 @@ STEPS = 60
 
 
 def _steps(run_dir: str) -> list[int]:
-    from hpc_verl.ops.metrics_table import _ANSI, _STEP_LINE
-    return [int(m.group(1)) for ln in batch_log(run_dir).splitlines() if (m := _STEP_LINE.search(_ANSI.sub("", ln)))]
+    from hpc_verl.ops.metrics_table import steps_from_log
+    return [rec["step"] for rec in steps_from_log(batch_log(run_dir))]
 
 
 def _until(what: str, cond, run_dir: str, timeout_s: float = 300) -> None:

@@ -4,6 +4,12 @@ The built-in trainer writes ``metrics.jsonl``. Upstream verl's console logger pr
 line ``step:N - key:value - ...`` (through Ray, behind a ``(TaskRunner pid=...)`` prefix); where
 there is no metrics file, those lines are read from the job's logs, so a verl job shows the same
 table. A requeued job prints a step again after resuming: the last print of a step counts.
+
+Ray forwards a worker's output line by line as its log monitor reads it, so a line longer than the
+worker's write buffer (4 KB; every real verl step line is longer) arrives in pieces: the head keeps
+the ``(TaskRunner pid=...)`` prefix and has the next forwarded line glued on, and the rest follows,
+unprefixed, a few lines later. The pieces are joined again; a step whose rest never came keeps its
+complete items, never a truncated number.
 """
 from __future__ import annotations
 
@@ -17,7 +23,14 @@ COLUMNS = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy"
            "response_length/mean", "rollout/staleness", "timing_s/step", "perf/throughput")
 METRICS_FILE = "metrics.jsonl"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_STEP_LINE = re.compile(r"(?:^|[\s)])step:(\d+)((?: - [^\s:]+:\S+)+)\s*$")
+_STEP_START = re.compile(r"(?:^|[\s)])step:(\d+)(?= - )")
+_ITEM = re.compile(r"([^\s:]+):(\S+)")
+#: Ray's prefix of a forwarded line, ``(TaskRunner pid=12)`` or ``(pid=12, ip=10.0.0.2)``
+_RAY_PREFIX = re.compile(r"\((?:[\w.:-]+ )?pid=\d+(?:, ip=[^)\s]+)?\)")
+#: the unprefixed rest of a step line that Ray forwarded on its own
+_PIECE = re.compile(r"\s*[^\s(]*(?: - [^\s:]+:\S+)+\s*")
+#: how far below its head the rest of a cut step line is looked for
+PIECE_LOOKAHEAD_LINES = 200
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf)")
 
 
@@ -33,20 +46,52 @@ def find_metrics(run_dir: str) -> Path | None:
 
 def steps_from_log(text: str) -> list[dict]:
     """The ``step:N - key:value`` lines of a log as records, one per step (its last print), in order."""
+    lines = [_ANSI.sub("", raw) for raw in text.splitlines()]
+    used: set[int] = set()
     by_step: dict[int, dict] = {}
-    for raw in text.splitlines():
-        m = _STEP_LINE.search(_ANSI.sub("", raw))
-        if not m:
+    for i, line in enumerate(lines):
+        m = _STEP_START.search(line)
+        if m is None or i in used:
             continue
+        body, whole = _join_pieces(lines, i, m.end(), used)
         rec: dict = {"step": int(m.group(1))}
-        for item in m.group(2).split(" - ")[1:]:
-            key, _, value = item.partition(":")
+        items = body.split(" - ")[1:]
+        for item in items if whole else items[:-1]:     # the last item of a cut line may be cut too
+            kv = _ITEM.fullmatch(item.strip())
+            if kv is None:
+                break
+            value = kv.group(2)
             inner = value[value.find("(") + 1:] if "(" in value else value   # numpy's repr: np.float64(0.5)
             num = _NUMBER.match(inner)
             if num:
-                rec[key] = float(num.group(0))
+                rec[kv.group(1)] = float(num.group(0))
         by_step[rec["step"]] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def _glued(text: str) -> tuple[str, bool]:
+    """``text`` up to a Ray-prefixed line glued onto it, and whether one was."""
+    m = _RAY_PREFIX.search(text)
+    return (text[:m.start()], True) if m else (text, False)
+
+
+def _join_pieces(lines: list[str], i: int, start: int, used: set[int]) -> tuple[str, bool]:
+    """The step text that begins at ``lines[i][start:]``, its pieces joined; whether it is whole."""
+    body, cut = _glued(lines[i][start:])
+    j = i + 1
+    while cut:
+        for j in range(j, min(len(lines), i + PIECE_LOOKAHEAD_LINES)):
+            piece = lines[j]
+            if (j not in used and piece.strip() and not _RAY_PREFIX.match(piece)
+                    and not _STEP_START.search(piece) and _PIECE.fullmatch(_glued(piece)[0])):
+                break
+        else:
+            return body, False
+        used.add(j)
+        rest, cut = _glued(lines[j])
+        body += rest
+        j += 1
+    return body.rstrip(), True
 
 
 def last_steps(run_dir: str, logs: Iterable[str] = ()) -> tuple[list[dict], str]:
