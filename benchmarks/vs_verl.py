@@ -162,15 +162,12 @@ class StepClock(threading.Thread):
                 for raw in self.proc.stdout:   # type: ignore[union-attr]
                     fh.write(raw)
                     text.append(raw.decode(errors="replace"))
-                    if " - " not in text[-1]:
-                        continue
-                    # parsed as a whole: Ray forwards a long step line in pieces (metrics_table)
-                    seen = {rec["step"]: k for k, (_, rec) in enumerate(self.steps)}
-                    for rec in steps_from_log("".join(text)):
-                        if rec["step"] in seen:                  # (a step printed again counts once)
-                            self.steps[seen[rec["step"]]][1].update(rec)
-                        else:
-                            self.steps.append((time.time(), rec))
+                    for rec in steps_from_log(text[-1]):    # a step's head line is enough for its time
+                        if all(rec["step"] != seen["step"] for _, seen in self.steps):
+                            self.steps.append((time.time(), rec))   # (a step printed again counts once)
+                # its values from the whole output, once: Ray forwards a long step line in pieces
+                whole = {rec["step"]: rec for rec in steps_from_log("".join(text))}
+                self.steps = [(t, whole.get(rec["step"], rec)) for t, rec in self.steps]
                 return
             reader = threading.Thread(target=lambda: [fh.write(raw) for raw in self.proc.stdout], daemon=True)
             reader.start()

@@ -162,3 +162,34 @@ def test_verls_command_composes_with_verls_own_config(tmp_path):
     assert "actor_rollout_ref.rollout.name=vllm" in ours
     for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu"):
         assert f"actor_rollout_ref.actor.{key}={get_path(cfg, 'actor_rollout_ref.actor.' + key)}" in ours
+
+
+def test_the_step_clock_times_a_step_at_its_head_and_keeps_its_whole_values(tmp_path):
+    """verl's output as Ray forwards it: a long step line cut, another worker's line glued onto its
+    head, its rest later. The step is timed when its head arrives; its values are the joined line's."""
+    items = " - ".join(f"timing_s/part_{k}:{k}.5" for k in range(200))
+    line = f"step:1 - {items}"
+    cut = line.index("part_150:") + len("part_150:1")
+    go = tmp_path / "go"
+    script = f"""
+        import os, sys, time
+        line = {line!r}
+        sys.stdout.write("(TaskRunner pid=7) " + line[:{cut}] + "(WorkerDict pid=9) INFO: saved\\n")
+        sys.stdout.flush()
+        while not os.path.exists({str(go)!r}):      # the rest comes only after the clock saw the head
+            time.sleep(0.05)
+        sys.stdout.write("(AgentLoopWorker pid=11) WARNING: x\\n" + line[{cut}:] + "\\n")
+    """
+    proc = _python(script, {}, stdout=subprocess.PIPE)
+    clock = V.StepClock(proc, tmp_path / "verl.log", None)
+    clock.start()
+    deadline = time.monotonic() + 30
+    while not clock.steps and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [rec["step"] for _, rec in clock.steps] == [1]    # timed at its head
+    go.touch()
+    clock.join(timeout=30)
+    assert proc.wait(timeout=30) == 0
+    [(_, rec)] = clock.steps
+    assert len(rec) == 201 and rec["timing_s/part_150"] == 150.5 and rec["timing_s/part_199"] == 199.5
+    assert (tmp_path / "verl.log").read_text().count("step:1 - ") == 1

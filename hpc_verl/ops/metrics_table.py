@@ -82,13 +82,14 @@ def _join_pieces(lines: list[str], i: int, start: int, used: set[int]) -> tuple[
     while cut:
         for j in range(j, min(len(lines), i + PIECE_LOOKAHEAD_LINES)):
             piece = lines[j]
-            if (j not in used and piece.strip() and not _RAY_PREFIX.match(piece)
-                    and not _STEP_START.search(piece) and _PIECE.fullmatch(_glued(piece)[0])):
+            if j in used or not piece.strip() or _RAY_PREFIX.match(piece) or _STEP_START.search(piece):
+                continue
+            rest, cut = _glued(piece)
+            if _PIECE.fullmatch(rest):
                 break
         else:
             return body, False
         used.add(j)
-        rest, cut = _glued(lines[j])
         body += rest
         j += 1
     return body.rstrip(), True
