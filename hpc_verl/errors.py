@@ -154,6 +154,27 @@ def _ignore_repeat(signum: int, _frame: Any) -> None:
     return None
 
 
+#: how long after a swallowed stop the signal is sent again: the hook that saw it has returned by then
+REDELIVER_S = 0.05
+_next_unraisable_hook: Callable[[Any], Any] = sys.__unraisablehook__
+
+
+def _on_unraisable(args: Any) -> None:
+    """A stop signal handled inside a weakref callback, a ``__del__`` or a GC callback raises
+    :class:`Stopped` where Python can only print it ("Exception ignored in ...") and run on, with
+    the handler already spent: the program would ignore the stop. Re-arm the handler and send the
+    signal again a moment later, from outside the callback; print nothing."""
+    exc = args.exc_value
+    if not isinstance(exc, Stopped):
+        _next_unraisable_hook(args)
+        return
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_stop_signal)
+    timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), exc.signum))
+    timer.daemon = True
+    timer.start()
+
+
 def install_stop_signals() -> bool:
     """SIGTERM and SIGHUP raise :class:`Stopped` in the main thread (a no-op elsewhere).
 
@@ -164,6 +185,9 @@ def install_stop_signals() -> bool:
         return False
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_stop_signal)
+    global _next_unraisable_hook
+    if sys.unraisablehook is not _on_unraisable:
+        _next_unraisable_hook, sys.unraisablehook = sys.unraisablehook, _on_unraisable
     return True
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -18,9 +21,11 @@ from hpc_verl.errors import ConfigError, Stopped, os_error_line, record_failure,
 def _own_signal_handlers():
     """report_errors installs the stop-signal policy in this (pytest's) process: put pytest's back."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    hook = sys.unraisablehook
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
+    sys.unraisablehook = hook
 
 
 def test_each_kind_of_failure_is_one_line_and_its_exit_status(capsys, tmp_path, monkeypatch):
@@ -90,3 +95,37 @@ def test_a_closed_stdout_pipe_is_silent(capsys, monkeypatch):
 
     assert report_errors(func) == 128 + signal.SIGPIPE
     assert capsys.readouterr().err == ""
+
+
+_SWALLOWED_STOP = textwrap.dedent("""
+    import os, signal, sys, time, weakref
+    from hpc_verl.errors import report_errors
+
+    class Obj:
+        pass
+
+    def callback(_ref):
+        # the signal is handled here, inside a weakref callback, where Python swallows exceptions
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100000):
+            pass
+
+    def main():
+        obj = Obj()
+        ref = weakref.ref(obj, callback)
+        del obj
+        time.sleep(10)       # the stop must end this, not its end
+        print("main ran to its end", flush=True)
+        return 0
+
+    sys.exit(report_errors(main))
+""")
+
+
+def test_a_stop_signal_handled_inside_a_weakref_callback_still_stops_the_program():
+    """CPython prints an exception raised in a weakref callback (or __del__) and runs on: a
+    SIGTERM that lands there must still stop the program, with no traceback."""
+    proc = subprocess.run([sys.executable, "-c", _SWALLOWED_STOP], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr
+    assert proc.stdout == ""          # not "main ran to its end"
+    assert proc.stderr == "hpc-verl: stopped by SIGTERM\n"
