@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Collection
+from typing import NamedTuple
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -48,15 +49,35 @@ def alive(pid: int | None) -> bool:
     return st is not None and st[2] not in ("Z", "X")
 
 
-def descendants(root: int) -> list[int]:
-    """All live descendants of ``root`` (children first-level first)."""
-    children: dict[int, list[int]] = {}
+class Proc(NamedTuple):
+    """One line of :func:`process_table`."""
+
+    ppid: int
+    sid: int
+    start: str   # start time (clock ticks after boot): with the pid, it names one process; pids are reused
+
+
+def process_table() -> dict[int, Proc]:
+    """Every live process (no zombies), from one pass over ``/proc``."""
+    out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        st = _stat(int(entry))
-        if st and st[2] not in ("Z", "X"):
-            children.setdefault(st[1], []).append(int(entry))
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                f = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if f[0] not in ("Z", "X"):
+            out[int(entry)] = Proc(int(f[1]), int(f[3]), f[19])
+    return out
+
+
+def descendants(root: int, table: dict[int, Proc] | None = None) -> list[int]:
+    """All live descendants of ``root`` (children first-level first), in ``table`` (default: now)."""
+    children: dict[int, list[int]] = {}
+    for pid, st in (process_table() if table is None else table).items():
+        children.setdefault(st.ppid, []).append(pid)
     out, todo = [], [root]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -254,18 +275,8 @@ def pids_using(path: str) -> list[int]:
 def in_session(sid: int) -> list[int]:
     """Live processes (not this one) of session ``sid``: what a session leader's tree was, even
     for those whose parents are gone (a process leaves its session only by ``setsid``)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                rest = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if rest[0] not in ("Z", "X") and int(rest[3]) == sid:
-            out.append(int(entry))
-    return out
+    me = os.getpid()
+    return [pid for pid, st in process_table().items() if st.sid == sid and pid != me]
 
 
 def kill_everything(sid: int | Collection[int], paths: tuple[str, ...] = (), bound_s: float = KILL_WAIT_S) -> list[int]:

@@ -200,34 +200,6 @@ def start_watchdog(job_dir: str) -> tuple[subprocess.Popen, Any]:
     return proc, stop
 
 
-def _table() -> dict[int, tuple[int, int, str]]:
-    """{pid: (ppid, session id, start time)} of every live process."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                f = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if f[0] not in ("Z", "X"):
-            out[int(entry)] = (int(f[1]), int(f[3]), f[19])
-    return out
-
-
-def _tree(table: dict[int, tuple[int, int, str]], root: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        kids.setdefault(ppid, []).append(pid)
-    out, todo = set(), [root]
-    while todo:
-        for kid in kids.get(todo.pop(), []):
-            out.add(kid)
-            todo.append(kid)
-    return out
-
-
 def watch(job_dir: str, fd: int, supervisor: int) -> int:
     """The supervisor's watchdog: a small process in a session of its own that holds a pipe from
     the supervisor. Every WATCH_POLL_S it notes the job's processes (the supervisor's tree: it is
@@ -252,16 +224,16 @@ def watch(job_dir: str, fd: int, supervisor: int) -> int:
                 break
         if os.getppid() != supervisor:
             break
-        table = _table()
-        tree = _tree(table, supervisor) | ({supervisor} if supervisor in table else set())
+        table = procs.process_table()
+        tree = set(procs.descendants(supervisor, table)) | ({supervisor} if supervisor in table else set())
         tree.discard(os.getpid())
-        noted.update({p: table[p][2] for p in tree})
+        noted.update({p: table[p].start for p in tree})
         # a session of the job: one whose every process is in the supervisor's tree (never the
         # session of a terminal the supervisor was started from)
         members: dict[int, set[int]] = {}
-        for pid, (_, sid, _) in table.items():
-            members.setdefault(sid, set()).add(pid)
-        sessions |= {sid for sid in {table[p][1] for p in tree} if sid != own and members[sid] <= tree}
+        for pid, st in table.items():
+            members.setdefault(st.sid, set()).add(pid)
+        sessions |= {sid for sid in {table[p].sid for p in tree} if sid != own and members[sid] <= tree}
     t0 = time.monotonic()
     rec = registry.load(job_dir)
     from hpc_verl.bootstrap.raydir import node_states
@@ -269,8 +241,8 @@ def watch(job_dir: str, fd: int, supervisor: int) -> int:
     temps = tuple(st["temp_dir"] for st in (node_states(rec.run_dir) if rec.run_dir else {}).values()
                   if st.get("temp_dir"))
     killed = set(procs.kill_everything(sessions, temps))
-    table = _table()
-    strays = [p for p, start in noted.items() if p in table and table[p][2] == start and p != os.getpid()]
+    table = procs.process_table()
+    strays = [p for p, start in noted.items() if p in table and table[p].start == start and p != os.getpid()]
     procs.end_pids(strays, grace_s=0.0)
     killed |= set(strays) | set(end_marked(job_dir, grace_s=0.0))
     removed = remove_ray_temp_dirs(job_dir)
