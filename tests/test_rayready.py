@@ -95,3 +95,34 @@ def test_an_early_trainer_imports_ray_before_the_record_and_checks_its_token(tmp
         assert "names other token settings (RAY_AUTH_TOKEN_PATH)" in error and "\n" not in error
     else:
         assert "never appeared" in error
+
+
+BEGIN = """
+import sys, threading, time
+from hpc_verl.trainer.graph import DataflowRunner
+assert "ray" not in sys.modules
+runner = DataflowRunner()
+runner.begin({"hpc_verl": {"ray_address": None}})
+waiting = [t.name for t in threading.enumerate() if t.name == "hpc-verl-ray-up"]
+print("after begin:", "ray" in sys.modules, "hpc_verl.dataflow" in sys.modules, waiting)
+t0 = time.monotonic()
+runner.shutdown()
+print("shutdown within 5 s:", time.monotonic() - t0 < 5)
+"""
+
+
+def test_begin_returns_once_ray_is_imported_and_the_connect_thread_waits_on(tmp_path):
+    # the driver imports torch and transformers after begin(): two threads importing at once can
+    # trip CPython's import deadlock detector (gh-83065), so Ray's import is done by then, while
+    # the wait for the cluster goes on in the thread
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update({"HPC_VERL_RAY_READY_FILE": str(tmp_path / "ready.json"), "HPC_VERL_RAY_READY_TIMEOUT_S": "60",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))})
+    out = subprocess.run([sys.executable, "-c", BEGIN], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["after begin: True True ['hpc-verl-ray-up']", "shutdown within 5 s: True"]

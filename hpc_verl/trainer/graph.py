@@ -153,6 +153,7 @@ class DataflowRunner:
         self._connect_error: BaseException | None = None
         self._abort = threading.Event()     # shutdown() before Ray was ready: stop waiting for it
         self._joined_here = False
+        self._imported: threading.Event | None = None   # set once begin()'s thread has imported Ray
         self._head: Any = None   # trainer.privateray.PrivateRay: the head process of a private Ray
 
     def begin(self, cfg: Mapping) -> None:
@@ -165,6 +166,7 @@ class DataflowRunner:
             return
 
         up = threading.Event()
+        self._imported = threading.Event()
 
         def connect() -> None:
             try:
@@ -177,9 +179,22 @@ class DataflowRunner:
             except BaseException as exc:  # noqa: BLE001 - re-raised by start()
                 self._connect_error = exc
             finally:
+                self._imported.set()
                 up.set()
         self._connecting = up
         threading.Thread(target=connect, name="hpc-verl-ray-up", daemon=True).start()
+        # Two threads importing the same package tree at once can trip CPython's import deadlock
+        # detector (a child module's lock taken before its parent's, gh-83065; seen with
+        # importlib.abc against importlib.resources): the driver goes on once Ray and the
+        # scheduler are imported. The head's start and the connect still overlap its loading.
+        self._imported.wait()
+
+    def _imports_done(self) -> None:
+        """Ray and the scheduler are imported: begin() lets the driver import again."""
+        import hpc_verl.dataflow  # noqa: F401
+
+        if self._imported is not None:
+            self._imported.set()
 
     def _await_connection(self) -> None:
         pending, self._connecting = self._connecting, None
@@ -204,6 +219,7 @@ class DataflowRunner:
             auth = rayready.auth_env(Path(ready_file).parent)
             os.environ.update(auth)
             import ray  # noqa: F401
+            self._imports_done()
             ready = rayready.wait_ready(ready_file, float(os.environ.get(rayready.READY_TIMEOUT_ENV) or 600),
                                         stop=self._abort)
             if ready is None:   # shut down while waiting: connect to nothing
@@ -221,6 +237,8 @@ class DataflowRunner:
                 return
             address = self._head.address
         import ray
+
+        self._imports_done()
 
         self._joined_here = True
         if self._head is not None:
@@ -257,6 +275,7 @@ class DataflowRunner:
         import ray  # noqa: F401 - while the head starts (after the token variables are set: Ray reads them now)
         if imported:
             _refresh_ray_auth()
+        self._imports_done()
         if privateray.wait_ready(head, float(hv["start_timeout_s"]), abort=self._abort):
             self._head = head
 
