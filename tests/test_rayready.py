@@ -2,13 +2,19 @@
 Ray was up (reader): the reader sees the whole record or none, waits bounded, and stops when asked."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util.rayready import wait_ready, write_ready
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_waiting_reader_gets_the_record_once_it_is_written(tmp_path):
@@ -56,6 +62,14 @@ def test_the_token_variables_are_one_rule_for_the_barrier_and_an_early_trainer(t
     assert early["RAY_AUTH_TOKEN_PATH"] == str(token_path(tmp_path))
 
 
+def _early_trainer(code: str, ready_file: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, as a trainer the job script started before Ray was up."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update({"HPC_VERL_RAY_READY_FILE": str(ready_file), "HPC_VERL_RAY_READY_TIMEOUT_S": str(timeout_s),
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
 EARLY = """
 import os, sys
 from hpc_verl.errors import BootstrapError
@@ -74,20 +88,12 @@ def test_an_early_trainer_imports_ray_before_the_record_and_checks_its_token(tmp
     # Ray reads RAY_AUTH_* when it is imported: the trainer sets them from the job's ray dir and
     # imports Ray while the cluster is still starting; a record naming another token is refused
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
     rdir = tmp_path / "ray"
     rdir.mkdir()
     if record:
         (rdir / "ready.json").write_text(json.dumps({"RAY_ADDRESS": "127.0.0.1:1", "RAY_AUTH_MODE": "token",
                                                      "RAY_AUTH_TOKEN_PATH": str(tmp_path / record)}))
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update({"HPC_VERL_RAY_READY_FILE": str(rdir / "ready.json"), "HPC_VERL_RAY_READY_TIMEOUT_S": "0.3",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))})
-    out = subprocess.run([sys.executable, "-c", EARLY], env=env, capture_output=True, text=True, timeout=120)
+    out = _early_trainer(EARLY, rdir / "ready.json", timeout_s=0.3)
     assert out.returncode == 0, out.stderr[-2000:]
     error, imported = out.stdout.strip().splitlines()
     assert imported == f"ray imported: True {rdir / 'token'}"
@@ -115,14 +121,6 @@ def test_begin_returns_once_ray_is_imported_and_the_connect_thread_waits_on(tmp_
     # the driver imports torch and transformers after begin(): two threads importing at once can
     # trip CPython's import deadlock detector (gh-83065), so Ray's import is done by then, while
     # the wait for the cluster goes on in the thread
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    repo = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update({"HPC_VERL_RAY_READY_FILE": str(tmp_path / "ready.json"), "HPC_VERL_RAY_READY_TIMEOUT_S": "60",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))})
-    out = subprocess.run([sys.executable, "-c", BEGIN], env=env, capture_output=True, text=True, timeout=120)
+    out = _early_trainer(BEGIN, tmp_path / "ready.json", timeout_s=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines() == ["after begin: True True ['hpc-verl-ray-up']", "shutdown within 5 s: True"]
