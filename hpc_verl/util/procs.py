@@ -272,11 +272,12 @@ def pids_using(path: str) -> list[int]:
     return out
 
 
-def in_session(sid: int) -> list[int]:
-    """Live processes (not this one) of session ``sid``: what a session leader's tree was, even
-    for those whose parents are gone (a process leaves its session only by ``setsid``)."""
+def in_session(sid: int, table: dict[int, Proc] | None = None) -> list[int]:
+    """Live processes (not this one) of session ``sid``, in ``table`` (default: now): what a session
+    leader's tree was, even for those whose parents are gone (a process leaves its session only by
+    ``setsid``)."""
     me = os.getpid()
-    return [pid for pid, st in process_table().items() if st.sid == sid and pid != me]
+    return [pid for pid, st in (process_table() if table is None else table).items() if st.sid == sid and pid != me]
 
 
 def kill_everything(sid: int | Collection[int], paths: tuple[str, ...] = (), bound_s: float = KILL_WAIT_S) -> list[int]:
@@ -287,11 +288,12 @@ def kill_everything(sid: int | Collection[int], paths: tuple[str, ...] = (), bou
     killed: list[int] = []
     deadline = time.monotonic() + bound_s
     while True:
-        found = {p for s in sids for p in in_session(s)} | set(descendants(os.getpid()))
+        table = process_table()   # one pass over /proc a round, for every session and tree
+        found = {p for s in sids for p in in_session(s, table)} | set(descendants(os.getpid(), table))
         if not found:   # (the path scan reads every fd of every process: only once the cheap one is empty)
             for path in paths:
                 for pid in pids_using(path):
-                    found |= {pid, *descendants(pid)}
+                    found |= {pid, *descendants(pid, table)}
         found.discard(os.getpid())
         found = {p for p in found if alive(p)}
         if not found or time.monotonic() > deadline:
