@@ -146,9 +146,9 @@ def ours_child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from hpc_verl.trainer.config import load_config
-    from hpc_verl.trainer.graph import InlineRunner
-    from hpc_verl.trainer.ppo import PPOTrainer
+    from hpc_verl.trainer.config.schema import load_config
+    from hpc_verl.trainer.driver.ppo_graph import InlineRunner
+    from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
 
     s = spec["settings"]
     torch.set_num_threads(int(s["threads"]))

@@ -80,7 +80,7 @@ def run_side(side: str, a: argparse.Namespace, model: Path, data: Path, work: Pa
         s = settings(a, side)
         run_dir = work / tag
         wall = run_child(ours_command(s, model, data, run_dir, steps), a.cpus, a.threads, log, a.timeout_s)
-        from hpc_verl.trainer.metrics import read_metrics
+        from hpc_verl.trainer.observe.metrics import read_metrics
         timed = read_metrics(run_dir)[a.warmup:]
         counted = [ours_round_counts(m, s) for m in timed]
         rec = {"round_s": [float(m["timing_s/step"]) for m in timed], "counts": [c for c, _ in counted],

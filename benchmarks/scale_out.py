@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _model(root: Path, hidden: int, layers: int) -> Path:
-    from hpc_verl.trainer.model import make_tiny_model, quiet_transformers
+    from hpc_verl.trainer.models.check import make_tiny_model, quiet_transformers
     quiet_transformers()
     out = root / f"model-h{hidden}-l{layers}"
     if not out.exists():
@@ -249,7 +249,7 @@ def _param_count(model: Path) -> int:
 
 def _sync_once(sched: Any, version: int) -> tuple[float, dict]:
     from hpc_verl.dataflow import TENSORS
-    from hpc_verl.trainer.graph import POLICY_EDGE_KEY
+    from hpc_verl.trainer.driver.ppo_graph import POLICY_EDGE_KEY
     t0 = time.perf_counter()
     sched.send_control(POLICY_EDGE_KEY, TENSORS, version)
     return time.perf_counter() - t0, dict(sched.board.transfers[POLICY_EDGE_KEY])
@@ -258,8 +258,8 @@ def _sync_once(sched: Any, version: int) -> tuple[float, dict]:
 def weight_sync(args: argparse.Namespace, work: Path, progress: Any) -> list[dict[str, Any]]:
     import ray
 
-    from hpc_verl.trainer.config import load_config
-    from hpc_verl.trainer.graph import DataflowRunner
+    from hpc_verl.trainer.config.schema import load_config
+    from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
 
     rows = []
     task = progress.add_task("weight-sync sweep", total=2 * len(args.sync_sizes))

@@ -66,7 +66,9 @@ def timed_train(argv: list[str], marks_file: str) -> int:
     import ray
 
     from hpc_verl.dataflow import HybridScheduler
-    from hpc_verl.trainer import graph, main, ppo
+    from hpc_verl.trainer.driver import ppo_graph as graph
+    from hpc_verl.trainer import main
+    from hpc_verl.trainer.driver import ppo_trainer as ppo
     marks["imports_done"] = time.time()
     wrap(ppo.PPOTrainer, "__init__", "trainer_init")
     wrap(ray, "init", "ray_init")

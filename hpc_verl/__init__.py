@@ -32,9 +32,9 @@ _LAZY: dict[str, str] = {
     "Node": "hpc_verl.dataflow",
     "Edge": "hpc_verl.dataflow",
     "HybridScheduler": "hpc_verl.dataflow",
-    "PPOTrainer": "hpc_verl.trainer.ppo",
-    "load_config": "hpc_verl.trainer.config",
-    "check_batch_arithmetic": "hpc_verl.trainer.config",
+    "PPOTrainer": "hpc_verl.trainer.driver.ppo_trainer",
+    "load_config": "hpc_verl.trainer.config.schema",
+    "check_batch_arithmetic": "hpc_verl.trainer.config.schema",
 }
 
 

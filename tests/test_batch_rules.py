@@ -3,7 +3,7 @@ checks of upstream verl jobs share: per-role group sizes, sequence parallelism, 
 verl's defaults for missing keys, and the same wording whichever side asks."""
 from __future__ import annotations
 
-from hpc_verl.trainer.config import check_batch_arithmetic, load_config
+from hpc_verl.trainer.config.schema import check_batch_arithmetic, load_config
 from hpc_verl.util.batch_rules import VERL_DEFAULTS, batch_problems, check_ppo_arithmetic
 
 ACTOR = "actor_rollout_ref.actor"

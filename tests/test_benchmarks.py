@@ -330,7 +330,7 @@ def test_profile_counts_a_linear_layers_three_products(choice):
     torch = pytest.importorskip("torch")
     from torch.profiler import ProfilerActivity, profile
 
-    from hpc_verl.trainer import cpu_gemm
+    from hpc_verl.trainer.engine import cpu_gemm
 
     M, K, N = 48, 64, 40
     layer = torch.nn.Sequential(torch.nn.Linear(K, N))

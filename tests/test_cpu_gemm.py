@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from trainer_fixtures import digit_overrides, digits_data, tiny_model  # noqa: E402,F401
 
-from hpc_verl.trainer import cpu_gemm  # noqa: E402
+from hpc_verl.trainer.engine import cpu_gemm  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch build has no oneDNN linear")
 
@@ -60,7 +60,7 @@ def test_only_plain_float32_cpu_tensors_take_onednn(monkeypatch):
 
 
 def test_a_llama_gives_the_same_logits_and_the_same_adamw_step(tiny_model):  # noqa: F811
-    from hpc_verl.trainer.lm import load_causal_lm
+    from hpc_verl.trainer.engine.logprobs import load_causal_lm
 
     ref = load_causal_lm(str(tiny_model), "cpu")
     ours = copy.deepcopy(ref)
@@ -83,8 +83,8 @@ def test_a_llama_gives_the_same_logits_and_the_same_adamw_step(tiny_model):  # n
 
 
 def test_the_config_key_switches_the_roles(tiny_model, digits_data, tmp_path):  # noqa: F811
-    from hpc_verl.trainer.config import load_config
-    from hpc_verl.trainer.rollout import RolloutWorker
+    from hpc_verl.trainer.config.schema import load_config
+    from hpc_verl.trainer.rollout.hf import RolloutWorker
 
     def kinds(*extra):
         cfg = load_config(None, digit_overrides(tiny_model, digits_data, tmp_path, 1, extra)).to_dict()

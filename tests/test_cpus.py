@@ -98,14 +98,14 @@ def test_plan_and_doctor_count_a_cpu_profiles_ranks_against_its_cpus():
 
 def test_pin_cpus_puts_every_thread_of_a_rank_on_its_core():
     from hpc_verl.errors import ConfigError
-    from hpc_verl.trainer.config import load_config
+    from hpc_verl.trainer.config.schema import load_config
     assert load_config(None, ["hpc_verl.pin_cpus=[0, 1]"])["hpc_verl"]["pin_cpus"] == [0, 1]
     for bad in ("[]", "[-1]", "[a]"):
         with pytest.raises(ConfigError, match="hpc_verl.pin_cpus"):
             load_config(None, [f"hpc_verl.pin_cpus={bad}"])
     # in a fresh process with a second thread already running: both end on the one CPU
     code = ("import os, threading, time, sys\n"
-            "from hpc_verl.trainer.lm import setup_threads\n"
+            "from hpc_verl.trainer.engine.logprobs import setup_threads\n"
             "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"
             "cpu = max(os.sched_getaffinity(0))\n"
             "setup_threads({'hpc_verl': {'pin_cpus': [cpu]}})\n"

@@ -28,7 +28,7 @@ class Roles:
     """An actor and a critic worker in one rank of a worker group (the hybrid layout)."""
 
     def __init__(self, cfg: dict) -> None:
-        from hpc_verl.trainer.workers import ActorWorker, CriticWorker
+        from hpc_verl.trainer.roles.workers import ActorWorker, CriticWorker
         self.cfg = cfg
         self.actor = ActorWorker(cfg, total_steps=4)
         self.critic = CriticWorker(cfg, total_steps=4)
@@ -41,7 +41,7 @@ class Roles:
         actor_batch = dict(batch)
         if own_rows:   # the actor gets only the rows it trains on (what take_rows fetches in a run)
             from hpc_verl.dataflow import current_context
-            from hpc_verl.trainer.workers import actor_rows
+            from hpc_verl.trainer.roles.workers import actor_rows
             ctx = current_context()
             n = batch["responses"].shape[0]
             rows = actor_rows(self.cfg, n, ctx.rank, ctx.world_size, {"step": 1})
@@ -89,7 +89,7 @@ def _batch(vocab: int, grouped: bool = False) -> dict:
 def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1,
          grouped: bool = False, own_rows: bool = False) -> tuple[dict, dict]:
     from hpc_verl.dataflow import DataflowGraph, HybridScheduler, Node, WorkerGroup
-    from hpc_verl.trainer.config import load_config
+    from hpc_verl.trainer.config.schema import load_config
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model_path}", "trainer.device=cpu",
                              f"trainer.n_gpus_per_node={world}", "data.train_batch_size=4",

@@ -536,7 +536,7 @@ def test_a_kill_during_a_checkpoint_save_leaves_nothing_after_the_resume(tiny_mo
         if partial:
             break
     assert partial, "no save was caught in the act"
-    from hpc_verl.trainer.checkpoint import latest_checkpoint
+    from hpc_verl.trainer.driver.checkpoint import latest_checkpoint
     intact = int(latest_checkpoint(run, verify=True).name.rsplit("_", 1)[1])
     resume = Train(tmp_path, digit_overrides(tiny_model, digits_data, run, intact + 2, ("trainer.save_freq=1",)),
                    name="resume")
@@ -583,7 +583,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(two_checkpoi
     assert ("truncated" if damage == "truncated" else "SHA-256") in warned[0]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["run/start_step"] == 2] == [3, 4, 5, 6]
-    from hpc_verl.trainer.checkpoint import verify_checkpoint
+    from hpc_verl.trainer.driver.checkpoint import verify_checkpoint
     assert verify_checkpoint(run / "global_step_4") and verify_checkpoint(run / "global_step_6")  # re-saved
     t.assert_left_nothing(run)
 

@@ -1,7 +1,7 @@
 """A killed ``hpc-verl train`` driver takes its whole private Ray with it within seconds.
 
 The driver of a run without a Ray address starts a private Ray through a head process
-(hpc_verl.trainer.privateray) that holds a pipe from the driver. Here a real run of
+(hpc_verl.trainer.driver.private_ray) that holds a pipe from the driver. Here a real run of
 examples/ppo_digits_tiny.yaml is SIGKILLed mid-training, and within 5 s nothing of it may
 be left: no process in any session or process group the run had (sampled while it ran), none
 whose environment or command line carries the run's unique marker or names its private Ray's

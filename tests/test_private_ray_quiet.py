@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from hpc_verl.trainer import graph
+from hpc_verl.trainer.driver import ppo_graph as graph
 
 
 class RpcError(Exception):

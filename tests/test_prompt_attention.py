@@ -23,8 +23,8 @@ def _model(kv_heads: int):
 
 
 def _decode(model, prompts, n, steps, shared):
-    from hpc_verl.trainer import prompt_attention as P
-    from hpc_verl.trainer.kvcache import expand_rows, preallocated_cache
+    from hpc_verl.trainer.rollout import prompt_attention as P
+    from hpc_verl.trainer.engine.kvcache import expand_rows, preallocated_cache
 
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -62,7 +62,7 @@ def _decode(model, prompts, n, steps, shared):
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_shared_prompt_decoding_matches_copied_prompts(kv_heads):
-    from hpc_verl.trainer import prompt_attention as P
+    from hpc_verl.trainer.rollout import prompt_attention as P
 
     model = _model(kv_heads)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [11, 12], [20, 21, 22, 23]]   # left padding of 0, 5 and 3
@@ -78,7 +78,7 @@ def test_shared_prompt_decoding_matches_copied_prompts(kv_heads):
 
 
 def test_it_applies_only_where_it_is_the_same_attention():
-    from hpc_verl.trainer import prompt_attention as P
+    from hpc_verl.trainer.rollout import prompt_attention as P
 
     model = _model(4)
     assert not P.applies(model, [4, 3])    # unequal groups
@@ -91,9 +91,9 @@ def test_it_applies_only_where_it_is_the_same_attention():
 
 
 def test_rollout_samples_the_same_tokens_with_either_cache(tiny_model, digits_data, tmp_path, monkeypatch):
-    from hpc_verl.trainer import prompt_attention as P
-    from hpc_verl.trainer import rollout as R
-    from hpc_verl.trainer.config import load_config
+    from hpc_verl.trainer.rollout import prompt_attention as P
+    from hpc_verl.trainer.rollout import hf as R
+    from hpc_verl.trainer.config.schema import load_config
 
     cfg = load_config(None, digit_overrides(tiny_model, digits_data, tmp_path, 1,
                                             ("data.max_response_length=8", "actor_rollout_ref.rollout.n=3")))

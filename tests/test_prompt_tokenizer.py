@@ -113,8 +113,8 @@ def test_a_disagreement_is_one_line(tiny_model):  # noqa: F811
 
 def test_the_driver_imports_no_torch_and_the_key_turns_it_off(tiny_model, digits_data, tmp_path):  # noqa: F811
     code = ("import sys\n"
-            "from hpc_verl.trainer.config import load_config\n"
-            "from hpc_verl.trainer.ppo import PPOTrainer\n"
+            "from hpc_verl.trainer.config.schema import load_config\n"
+            "from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer\n"
             "t = PPOTrainer(load_config(None, sys.argv[1:]), progress=False)\n"
             "print(type(t.tokenizer).__name__, len(t.dataset), 'torch' in sys.modules)\n")
     for value, expect in (("true", ["PromptTokenizer", "256", "False"]), ("false", None)):

@@ -37,9 +37,9 @@ def no_network(monkeypatch):
 
 
 def _fit(tiny_model, digits_data, run: Path, steps: int) -> list[dict]:
-    from hpc_verl.trainer.config import load_config
-    from hpc_verl.trainer.graph import InlineRunner
-    from hpc_verl.trainer.ppo import PPOTrainer
+    from hpc_verl.trainer.config.schema import load_config
+    from hpc_verl.trainer.driver.ppo_graph import InlineRunner
+    from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
     cfg = load_config(None, digit_overrides(tiny_model, digits_data, run, steps, (
         "trainer.logger=[console,file,tensorboard,wandb,mlflow]", "trainer.save_freq=2",
         "trainer.project_name=proj", "trainer.experiment_name=exp", "data.train_batch_size=4",
@@ -132,7 +132,7 @@ def test_unknown_or_missing_logger_is_one_line_before_training(cli, tiny_model, 
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     # a backend whose package is absent (here: mlflow pointed at a module that does not exist)
     from hpc_verl.errors import ConfigError
-    from hpc_verl.trainer import trackers
+    from hpc_verl.trainer.observe import trackers
     monkeypatch.setitem(trackers.NEEDS, "mlflow", ("no_such_mlflow_module", "mlflow"))
     with pytest.raises(ConfigError, match=r"'mlflow' needs the 'no_such_mlflow_module' package.*hpc_verl\[mlflow\]"):
         trackers.check_loggers(["console", "mlflow"])

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpc_verl.trainer import algorithms as A  # noqa: E402
+from hpc_verl.trainer import core_algos as A  # noqa: E402
 
 RNG = np.random.default_rng(1234)
 

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hpc_verl.trainer.checkpoint import (CheckpointError, clean_leftovers, latest_checkpoint,  # noqa: E402
+from hpc_verl.trainer.driver.checkpoint import (CheckpointError, clean_leftovers, latest_checkpoint,  # noqa: E402
                                          list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint)
 
 
@@ -52,7 +52,7 @@ def test_preemption_flag_from_signal_or_launcher_file(tmp_path, monkeypatch):
     import os
     import signal
 
-    from hpc_verl.trainer.checkpoint import PreemptionFlag
+    from hpc_verl.trainer.driver.checkpoint import PreemptionFlag
 
     marker = tmp_path / "PREEMPT"
     monkeypatch.setenv("HPCV_PREEMPT_FILE", str(marker))
@@ -180,7 +180,7 @@ def test_plain_parts_are_json_tensors_stay_torch_and_both_load_back(tmp_path):
     for not_json in ({"x": float("nan")}, {1: "int key"}, (1, 2)):
         d = save_checkpoint(tmp_path / "other", 1, {"p": not_json}, {"step": 1})
         assert (d / "p.pt").is_file() and not (d / "p.json").exists()
-    code = ("import sys\nfrom hpc_verl.trainer.checkpoint import save_checkpoint, load_checkpoint\n"
+    code = ("import sys\nfrom hpc_verl.trainer.driver.checkpoint import save_checkpoint, load_checkpoint\n"
             "d = save_checkpoint(sys.argv[1], 1, {'adv': {'kl_ctrl': {'value': 0.5}}}, {'step': 1})\n"
             "assert load_checkpoint(d)[1] == {'adv': {'kl_ctrl': {'value': 0.5}}}\nprint('torch' in sys.modules)\n")
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "driver")], capture_output=True, text=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.trainer.config import check_batch_arithmetic, load_config, validate_for_run
+from hpc_verl.trainer.config.schema import check_batch_arithmetic, load_config, validate_for_run
 
 
 def test_defaults_and_overrides_use_verl_names(tmp_path):
@@ -93,7 +93,7 @@ def test_validate_for_run_catches_inconsistent_settings(tmp_path):
 
 
 def test_device_mapping_gives_roles_worker_groups():
-    from hpc_verl.trainer.topology import topology
+    from hpc_verl.trainer.config.topology import topology
     cfg = load_config(None, ["trainer.n_gpus_per_node=8", "trainer.nnodes=2", "algorithm.adv_estimator=gae",
                              "hpc_verl.device_mapping={actor: [0,1,2,3], rollout: '4,5,6,7', critic: [0,1,2,3], "
                              "ref: [4,5,6,7]}", "actor_rollout_ref.actor.use_kl_loss=true"])

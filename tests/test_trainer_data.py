@@ -151,7 +151,7 @@ def test_resumable_sampler_position():
 
 
 def test_rule_rewards():
-    from hpc_verl.trainer.rewards import RuleReward, digits_score, gsm8k_score
+    from hpc_verl.trainer.roles.rewards import RuleReward, digits_score, gsm8k_score
     assert gsm8k_score("openai/gsm8k", "so 3+4=7 #### 7", "7") == 1.0
     assert gsm8k_score("openai/gsm8k", "#### 1,234", "1234") == 1.0
     assert gsm8k_score("openai/gsm8k", "#### 8", "7") == 0.0
@@ -188,7 +188,7 @@ def test_plot_and_summary_from_metrics(cli, tmp_path):
     assert res.returncode == 2 and "metrics.jsonl" in res.stderr and "Traceback" not in res.stderr
     import io
 
-    from hpc_verl.trainer.metrics import summary_table
+    from hpc_verl.trainer.observe.metrics import summary_table
     buf = io.StringIO()
     summary_table(rows, run, file=buf)
     text = buf.getvalue()

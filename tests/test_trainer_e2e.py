@@ -72,7 +72,7 @@ def _wait_for(cond, proc: subprocess.Popen, log: Path, timeout_s: float = 400) -
 @pytest.mark.slow
 def test_kill_after_checkpoint_then_resume_and_preempt(tiny_model, digits_data, tmp_path):
     from hpc_verl.data.dataset import ResumableSampler
-    from hpc_verl.trainer.checkpoint import REQUEUE_EXIT_CODE, latest_checkpoint
+    from hpc_verl.trainer.driver.checkpoint import REQUEUE_EXIT_CODE, latest_checkpoint
 
     run_dir = tmp_path / "run"
     args = digit_overrides(tiny_model, digits_data, run_dir, 40, ("trainer.save_freq=2", "trainer.seed=3"))
@@ -164,7 +164,7 @@ def test_tiny_model_learns_digit_task_through_dataflow(tiny_model, digits_data, 
         con.print(render([status]))
         shown = con.export_text()
         assert "per-rank phase times of the last update" in shown and "update_actor/backward" in shown
-    from hpc_verl.trainer.metrics import plot_run
+    from hpc_verl.trainer.observe.metrics import plot_run
     assert plot_run(run_dir).stat().st_size > 1000
 
 

@@ -17,7 +17,7 @@ def test_make_tiny_model_and_check_model_cli(cli, tmp_path):
     assert json.loads((out / "config.json").read_text())["hidden_size"] == 32
     res = cli("check-model", str(out))
     assert res.returncode == 0 and "chat template: yes" in res.stdout, res.stderr
-    from hpc_verl.trainer.model import ModelError, make_tiny_model
+    from hpc_verl.trainer.models.check import ModelError, make_tiny_model
     with pytest.raises(ModelError, match="--overwrite"):  # never over an existing model
         make_tiny_model(out)
     (out / "tokenizer.json").write_text("{broken")
@@ -30,7 +30,7 @@ def test_make_tiny_model_and_check_model_cli(cli, tmp_path):
 
 
 def _cfg(tiny_model, digits_data, tmp_path, *extra):
-    from hpc_verl.trainer.config import load_config
+    from hpc_verl.trainer.config.schema import load_config
     return load_config(None, digit_overrides(tiny_model, digits_data, tmp_path, 2, extra)).to_dict()
 
 
@@ -68,8 +68,8 @@ def test_job_model_check_stage_is_quick_and_still_refuses_broken_models(tiny_mod
 
 
 def test_rollout_generates_masked_responses_and_syncs_versions(tiny_model, digits_data, tmp_path):
-    from hpc_verl.trainer import rollout as R
-    from hpc_verl.trainer import workers as W
+    from hpc_verl.trainer.rollout import hf as R
+    from hpc_verl.trainer.roles import workers as W
     cfg = _cfg(tiny_model, digits_data, tmp_path, "data.max_response_length=6")
     roll = R.RolloutWorker(cfg)
     actor = W.ActorWorker(cfg)
@@ -114,8 +114,8 @@ def test_rollout_generates_masked_responses_and_syncs_versions(tiny_model, digit
 
 def test_actor_update_accumulates_micro_batches_like_one_batch(tiny_model, digits_data, tmp_path):
     """Grad accumulation over micro-batches gives the same update as the whole mini-batch at once."""
-    from hpc_verl.trainer import rollout as R
-    from hpc_verl.trainer import workers as W
+    from hpc_verl.trainer.rollout import hf as R
+    from hpc_verl.trainer.roles import workers as W
     base = ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=2",
             "data.train_batch_size=16", "actor_rollout_ref.actor.grad_clip=1000",
             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
@@ -146,7 +146,7 @@ def test_vllm_rollout_without_vllm_is_one_clear_error(tiny_model, digits_data, t
     import importlib.util
 
     from hpc_verl.errors import HpcVerlError
-    from hpc_verl.trainer.nodes import make_rollout_worker
+    from hpc_verl.trainer.roles.nodes import make_rollout_worker
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     cfg = _cfg(tiny_model, digits_data, tmp_path, "actor_rollout_ref.rollout.name=vllm")
@@ -160,7 +160,7 @@ def test_the_driver_checks_the_model_files_and_train_check_loads_them(tiny_model
     directory without weights in one line; ``train --check`` also loads config and tokenizer."""
     import shutil
 
-    from hpc_verl.trainer.model import ModelError, check_model_files
+    from hpc_verl.trainer.models.check import ModelError, check_model_files
 
     assert check_model_files(tiny_model) == tiny_model
     for name, damage, message in (

@@ -10,9 +10,9 @@ from trainer_fixtures import digit_overrides, digits_data, tiny_model  # noqa: E
 
 
 def _trainer(tiny_model, digits_data, run_dir, steps, *extra):
-    from hpc_verl.trainer.config import load_config
-    from hpc_verl.trainer.graph import InlineRunner
-    from hpc_verl.trainer.ppo import PPOTrainer
+    from hpc_verl.trainer.config.schema import load_config
+    from hpc_verl.trainer.driver.ppo_graph import InlineRunner
+    from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
     cfg = load_config(None, digit_overrides(tiny_model, digits_data, run_dir, steps, (
         "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
         "algorithm.kl_ctrl.horizon=100", "actor_rollout_ref.actor.use_kl_loss=true", "critic.optim.lr=1e-3",
@@ -22,7 +22,7 @@ def _trainer(tiny_model, digits_data, run_dir, steps, *extra):
 
 
 def test_gae_critic_kl_graph_and_exact_restore(tiny_model, digits_data, tmp_path):
-    from hpc_verl.trainer.checkpoint import latest_checkpoint, list_checkpoints
+    from hpc_verl.trainer.driver.checkpoint import latest_checkpoint, list_checkpoints
     run = tmp_path / "run"
     tr = _trainer(tiny_model, digits_data, run, 3, "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=2")
     assert tr.fit() == 0
@@ -39,13 +39,13 @@ def test_gae_critic_kl_graph_and_exact_restore(tiny_model, digits_data, tmp_path
 
     # a fresh trainer with resume_mode=auto restores every piece of state exactly
     tr2 = _trainer(tiny_model, digits_data, run, 3)
-    from hpc_verl.trainer.graph import InlineRunner
+    from hpc_verl.trainer.driver.ppo_graph import InlineRunner
     tr2.runner = InlineRunner()
     tr2.runner.start(tr2.cfg.to_dict(), tr2.total_steps)
     tr2._restore(latest_checkpoint(run))
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from hpc_verl.trainer.checkpoint import load_checkpoint, read_sharded
+    from hpc_verl.trainer.driver.checkpoint import load_checkpoint, read_sharded
     ckpt = latest_checkpoint(run)
     state, parts = load_checkpoint(ckpt)
     saved_actor, saved_critic = read_sharded(ckpt / "actor"), read_sharded(ckpt / "critic")

@@ -79,7 +79,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def _weights(ckpt: Path) -> dict:
-    from hpc_verl.trainer.checkpoint import read_sharded
+    from hpc_verl.trainer.driver.checkpoint import read_sharded
     return read_sharded(ckpt / "actor")
 
 
@@ -149,8 +149,8 @@ def _assert_same(a, b, where: str) -> None:
 
 def test_two_ranks_on_two_simulated_nodes_one_rank_each(tiny_model, digits_data, tmp_path):
     from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
-    from hpc_verl.trainer.config import load_config
-    from hpc_verl.trainer.ppo import PPOTrainer
+    from hpc_verl.trainer.config.schema import load_config
+    from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
 
     cluster = start_sim_cluster([(2, 0), (2, 0)])
     try:
@@ -200,9 +200,9 @@ def test_a_killed_rank_ends_the_run_with_one_line_and_leaves_nothing(tiny_model,
 def test_live_resize_of_the_hybrid_group_between_steps(tiny_model, digits_data, tmp_path):
     from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
     from hpc_verl.errors import DataflowError
-    from hpc_verl.trainer.config import load_config
-    from hpc_verl.trainer.graph import DataflowRunner
-    from hpc_verl.trainer.ppo import PPOTrainer
+    from hpc_verl.trainer.config.schema import load_config
+    from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+    from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
 
     cluster = start_sim_cluster([(4, 0)])
     try:
@@ -230,9 +230,9 @@ def test_live_resize_of_the_hybrid_group_between_steps(tiny_model, digits_data, 
 
 def test_disable_ulysses_switches_the_next_step_to_unsplit(tiny_model, digits_data, tmp_path):
     from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
-    from hpc_verl.trainer.config import load_config
-    from hpc_verl.trainer.graph import DataflowRunner
-    from hpc_verl.trainer.ppo import PPOTrainer
+    from hpc_verl.trainer.config.schema import load_config
+    from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+    from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
 
     cluster = start_sim_cluster([(3, 0)])
     try:
@@ -278,7 +278,7 @@ def test_every_default_key_is_read_or_refused():
 
     import yaml
 
-    from hpc_verl.trainer.support import REFUSALS
+    from hpc_verl.trainer.config.refusals import REFUSALS
     defaults = yaml.safe_load((REPO / "hpc_verl/trainer/ppo_default.yaml").read_text())
     code = "\n".join(p.read_text() for d in ("trainer", "data", "dataflow") for p in (REPO / "hpc_verl" / d).glob("*.py")
                      if p.name not in ("ppo_default.yaml", "support.py"))

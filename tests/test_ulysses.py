@@ -2,7 +2,7 @@
 
 Two real processes (torch.multiprocessing spawn) form a gloo group. Each builds the same tiny
 model from a config (no hub) twice: the reference, unchanged (transformers' sdpa attention and
-its own masks), and a copy switched to ``hpc_verl.trainer.ulysses`` over the group of 2. The
+its own masks), and a copy switched to ``hpc_verl.trainer.engine.ulysses`` over the group of 2. The
 batch has left padding, three different lengths and an odd length (so the split pads it). The
 SP copy's gathered logits must equal the reference's at every real token, and after the same
 loss (log-probs and entropy of the response tokens, gathered) the SP ranks' summed parameter
@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hpc_verl.trainer import ulysses  # noqa: E402
+from hpc_verl.trainer.engine import ulysses  # noqa: E402
 
 TOL = 1e-5
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -95,7 +95,7 @@ def test_sp1_is_plain_attention() -> None:
     """No group: the same attention function is sdpa over the whole sequence (the SP=1 path)."""
     import copy
 
-    from hpc_verl.trainer.lm import response_log_probs
+    from hpc_verl.trainer.engine.logprobs import response_log_probs
 
     ref = _model("llama")
     sp = ulysses.enable(copy.deepcopy(ref), None)

@@ -95,7 +95,7 @@ def test_trainer_kind():
 
 def test_builtin_trainer_gets_the_same_arithmetic(tmp_path):
     """Through the trainer's own config loader when it is present (the trainer branch)."""
-    pytest.importorskip("hpc_verl.trainer.config")
+    pytest.importorskip("hpc_verl.trainer.config.schema")
     from hpc_verl.errors import ConfigError
 
     profile = load_profile("ib-a100")

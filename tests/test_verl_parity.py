@@ -10,7 +10,7 @@ and DDP/FSDP average the ranks' gradients; so the mini-batch's gradient-equivale
 sum of verl's micro-batch losses over ranks and micro-batches divided by ``dp_size``. Ours is the
 sum of our micro-batch losses over our denominators (``algorithms.loss_denominator``, as
 ``workers._Trainable._updates`` computes them). Every value of the config keys this covers is
-taken from ``hpc_verl.trainer.config``, so a value we accept is a value tested here.
+taken from ``hpc_verl.trainer.config.schema``, so a value we accept is a value tested here.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ import verl.utils.torch_functional as VF  # noqa: E402
 from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 
-from hpc_verl.trainer import algorithms as A  # noqa: E402
-from hpc_verl.trainer import config as cfgmod  # noqa: E402
+from hpc_verl.trainer import core_algos as A  # noqa: E402
+from hpc_verl.trainer.config import schema as cfgmod  # noqa: E402
 
 TOL = {"atol": 1e-6, "rtol": 1e-6}
 pytestmark = pytest.mark.filterwarnings("ignore:.*engine is not available:UserWarning",

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from hpc_verl.trainer import vllm_engine as E  # noqa: E402
+from hpc_verl.trainer.rollout import vllm_engine as E  # noqa: E402
 from trainer_fixtures import digit_overrides, digits_data, tiny_model  # noqa: E402,F401
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ TOL = 1e-5
 
 
 def _cfg(model, *extra: str) -> dict:
-    from hpc_verl.trainer.config import load_config
+    from hpc_verl.trainer.config.schema import load_config
     return load_config(None, [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.name=vllm",
                               "trainer.device=cpu", "data.max_prompt_length=16", "data.max_response_length=6",
                               "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2",
@@ -37,13 +37,13 @@ def _cfg(model, *extra: str) -> dict:
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     """One real vLLM engine (in this process, TP=1) for the module's tests."""
-    from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
+    from hpc_verl.trainer.rollout.vllm_worker import VLLMRolloutWorker
     return VLLMRolloutWorker(_cfg(tiny_model))
 
 
 def _actor_log_prob_gap(actor, out: dict) -> float:
     """Largest |actor log-prob - vLLM's log-prob| over the sampled response tokens."""
-    from hpc_verl.trainer.algorithms import log_probs_from_logits
+    from hpc_verl.trainer.core_algos import log_probs_from_logits
     with torch.no_grad():
         logits = actor(input_ids=out["input_ids"], attention_mask=out["attention_mask"],
                        position_ids=out["position_ids"]).logits.float()
@@ -53,8 +53,8 @@ def _actor_log_prob_gap(actor, out: dict) -> float:
 
 
 def test_weight_sync_splitting_fused_layers_gives_the_actors_log_probs(engine, tiny_model) -> None:
-    from hpc_verl.trainer.lm import load_causal_lm
-    from hpc_verl.trainer.vllm_rollout import buckets
+    from hpc_verl.trainer.engine.logprobs import load_causal_lm
+    from hpc_verl.trainer.rollout.vllm_worker import buckets
     actor = load_causal_lm(str(tiny_model), "cpu", "float32")
     assert actor.config.tie_word_embeddings    # the LM head shares the embedding: its packed copy must follow
     q = dict(actor.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
@@ -96,7 +96,7 @@ def test_cpu_engine_has_no_sleep_mode_and_a_kv_cache_sized_for_the_batch(engine,
 def test_engine_start_error_reaches_the_user_whole(tiny_model) -> None:
     """vLLM refuses a max_model_len beyond the model's positions with a pydantic error whose last
     line is a URL; the one line the driver shows carries the reason."""
-    from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
+    from hpc_verl.trainer.rollout.vllm_worker import VLLMRolloutWorker
     with pytest.raises(E.VLLMUnavailable) as e:
         VLLMRolloutWorker(_cfg(tiny_model, "data.max_prompt_length=2000"))
     msg = str(e.value)

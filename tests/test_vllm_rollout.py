@@ -18,14 +18,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hpc_verl.trainer import vllm_rollout as V  # noqa: E402
+from hpc_verl.trainer.rollout import vllm_worker as V  # noqa: E402
 from trainer_fixtures import tiny_model  # noqa: E402,F401
 
 
 def _cfg(model, *extra: str, tp: int = 1) -> dict:
     """A trainer config with rollout.name=vllm; ``tp`` set afterwards (the topology would want the
     rollout on its own devices for TP>1, which does not matter to the worker)."""
-    from hpc_verl.trainer.config import load_config
+    from hpc_verl.trainer.config.schema import load_config
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.name=vllm",
                              "trainer.device=cpu", "data.max_prompt_length=16", "data.max_response_length=5",
                              *extra]).to_dict()
@@ -168,8 +168,8 @@ def _worker(tiny_model, *extra: str, tp: int = 1):
     holder = {}
 
     def factory(kwargs, cfg):   # a platform with sleep mode (a GPU's): free_cache_engine decides
-        from hpc_verl.trainer.lm import load_tokenizer
-        from hpc_verl.trainer.vllm_engine import wants_sleep_mode
+        from hpc_verl.trainer.engine.logprobs import load_tokenizer
+        from hpc_verl.trainer.rollout.vllm_engine import wants_sleep_mode
         holder["llm"] = FakeLLM(kwargs, engine_model, load_tokenizer(str(tiny_model)).eos_token_id)
         return holder["llm"], wants_sleep_mode(cfg["actor_rollout_ref"]["rollout"], platform_has_sleep=True)
 
@@ -260,7 +260,7 @@ def test_the_extras_pin_the_range_this_module_was_written_for() -> None:
     import configparser
     from pathlib import Path
 
-    from hpc_verl.trainer import vllm_engine as E
+    from hpc_verl.trainer.rollout import vllm_engine as E
     cp = configparser.ConfigParser()
     cp.read(Path(__file__).resolve().parents[1] / "setup.cfg")
     extras = cp["options.extras_require"]

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpc_verl.trainer.checkpoint import REQUEUE_EXIT_CODE as REQUEUE_EXIT  # the trainer's contract
+from hpc_verl.trainer.driver.checkpoint import REQUEUE_EXIT_CODE as REQUEUE_EXIT  # the trainer's contract
 from hpc_verl.util.fs import atomic_write_json
 
 

@@ -12,8 +12,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hpc_verl.trainer.model import check_model
-    from hpc_verl.trainer.model import quiet_transformers
+    from hpc_verl.trainer.models.check import check_model
+    from hpc_verl.trainer.models.check import quiet_transformers
     quiet_transformers()
     info = check_model(args.path, need_weights=not args.no_weights)
     print(f"check-model: ok {info['path']} ({info['model_type']}, vocab {info['vocab_size']}, "

@@ -25,7 +25,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from hpc_verl.errors import ConfigError
     from hpc_verl.ops.curve import curve_of, render
-    from hpc_verl.trainer.metrics import plot_run, read_metrics
+    from hpc_verl.trainer.observe.metrics import plot_run, read_metrics
 
     if args.window < 1:
         raise ConfigError(f"--window {args.window}: must be at least 1")

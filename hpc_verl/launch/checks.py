@@ -8,7 +8,7 @@ must parse, and a fast tokenizer (tokenizer.json) is loaded with the
 ``transformers`` takes seconds (on a loaded 2-core machine 7 s). Only a
 directory without tokenizer.json (a slow, e.g. sentencepiece, tokenizer) goes
 through ``transformers``. ``hpc-verl check-model`` is the full check
-(``hpc_verl.trainer.model.check_model``); the trainer's ranks load the model itself.
+(``hpc_verl.trainer.models.check.check_model``); the trainer's ranks load the model itself.
 """
 from __future__ import annotations
 

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from hpc_verl.trainer.model import quiet_transformers
+    from hpc_verl.trainer.models.check import quiet_transformers
     quiet_transformers()
     report = Report(out, _meta(args))
     suite = gpu_roles.Suite(out, args.size, args.device, report)

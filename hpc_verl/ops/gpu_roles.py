@@ -85,7 +85,7 @@ class Suite:
         return self.model_path
 
     def _cfg(self, *extra: str) -> dict:
-        from hpc_verl.trainer.config import load_config
+        from hpc_verl.trainer.config.schema import load_config
         w = self.work
         over = [f"actor_rollout_ref.model.path={self._need_model()}", f"trainer.device={self.device}",
                 "trainer.n_gpus_per_node=1", f"data.max_prompt_length={w['prompt']}",
@@ -142,7 +142,7 @@ class Suite:
                 "vocab": self.config.vocab_size}
 
     def _actor_update(self, strategy: str, keep: bool) -> dict:
-        from hpc_verl.trainer.workers import ActorWorker
+        from hpc_verl.trainer.roles.workers import ActorWorker
         self._group()
         self._drop_actor()
         self._reset_peak()
@@ -185,7 +185,7 @@ class Suite:
 
     def check_weight_handover(self) -> dict:
         """Colocated sync: the rollout loads the FSDP actor's full tensors in this process."""
-        from hpc_verl.trainer.rollout import RolloutWorker
+        from hpc_verl.trainer.rollout.hf import RolloutWorker
         if self.actor is None:
             raise RuntimeError("no actor: actor_update_fsdp2 did not pass")
         rollout = RolloutWorker(self._cfg())
@@ -210,11 +210,11 @@ class Suite:
                 "rollout_dtype": str(next(iter(got.values())).dtype).replace("torch.", "")}
 
     def check_critic_forward(self) -> dict:
-        from hpc_verl.trainer.workers import CriticWorker
+        from hpc_verl.trainer.roles.workers import CriticWorker
         return self._forward_role(lambda cfg: CriticWorker(cfg, total_steps=10), lambda w, b: w.compute_values(b))
 
     def check_ref_forward(self) -> dict:
-        from hpc_verl.trainer.workers import RefWorker
+        from hpc_verl.trainer.roles.workers import RefWorker
         return self._forward_role(RefWorker, lambda w, b: w.compute_ref_log_prob(b))
 
     def _forward_role(self, make: Callable[[dict], Any], run: Callable[[Any, dict], Any]) -> dict:
@@ -234,7 +234,7 @@ class Suite:
                 "peak_mem_gib": self._peak()}
 
     def check_rollout_hf(self) -> dict:
-        from hpc_verl.trainer.rollout import RolloutWorker
+        from hpc_verl.trainer.rollout.hf import RolloutWorker
         self._reset_peak()
         w = self.work
         rollout = RolloutWorker(self._cfg(f"data.max_response_length={w['gen_response']}"))
@@ -252,8 +252,8 @@ class Suite:
 
     def check_ulysses_sp1(self) -> dict:
         """SP=1 (no group) through the Ulysses attention equals transformers' sdpa, in float32."""
-        from hpc_verl.trainer import ulysses
-        from hpc_verl.trainer.lm import load_causal_lm
+        from hpc_verl.trainer.engine import ulysses
+        from hpc_verl.trainer.engine.logprobs import load_causal_lm
         self._reset_peak()
         ref = load_causal_lm(str(self._need_model()), self.device, "float32")
         b = _padded_batch(self._torch(), rows=4, seq=min(64, self.work["prompt"] + self.work["response"]),
@@ -312,7 +312,7 @@ def _sp2_worker(rank: int, init_file: str, out_dir: str, device: str) -> None:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpc_verl.trainer import ulysses
+    from hpc_verl.trainer.engine import ulysses
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(0)          # both ranks on the one GPU

@@ -97,7 +97,7 @@ def _join_pieces(lines: list[str], i: int, start: int, used: set[int]) -> tuple[
 
 def last_steps(run_dir: str, logs: Iterable[str] = ()) -> tuple[list[dict], str]:
     """Every step's record and where it came from: metrics.jsonl, else the job's logs."""
-    from hpc_verl.trainer.metrics import read_metrics
+    from hpc_verl.trainer.observe.metrics import read_metrics
 
     path = find_metrics(run_dir)
     if path is not None:

@@ -282,7 +282,7 @@ def make_plot(rec: registry.JobRecord) -> Path | None:
     d = trainer_dir(rec)
     if not (d / "metrics.jsonl").exists():
         return None
-    from hpc_verl.trainer.metrics import plot_run
+    from hpc_verl.trainer.observe.metrics import plot_run
 
     return Path(plot_run(d))
 

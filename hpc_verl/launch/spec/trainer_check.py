@@ -113,7 +113,7 @@ def builtin_device_overrides(profile: Any) -> list[tuple[str, str]]:
 
 
 def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck:
-    from hpc_verl.trainer.config import load_config
+    from hpc_verl.trainer.config.schema import load_config
 
     overrides = _user_overrides(job)
     for item in overrides:

@@ -118,7 +118,7 @@ def reload_in_place(model: Any, model_config: Any, load: Callable[[], Any]) -> A
     weight is the embedding's, loaded under that name) keeps a packed copy of the old
     embedding until it is packed again from the shared, updated weight.
     """
-    from hpc_verl.trainer.vllm_engine import begin_reload, end_reload
+    from hpc_verl.trainer.rollout.vllm_engine import begin_reload, end_reload
 
     begin_reload(model)
     try:

@@ -375,7 +375,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     _validate_values(_flatten(schema), cfg)
     _interpolate(cfg)
     _fill_derived(cfg)
-    from hpc_verl.trainer.support import derive_micro_batches, derive_sequence_parallel, refuse_unsupported
+    from hpc_verl.trainer.config.refusals import derive_micro_batches, derive_sequence_parallel, refuse_unsupported
     refuse_unsupported(cfg)
     derive_sequence_parallel(cfg)
     derive_micro_batches(cfg)
@@ -441,7 +441,7 @@ def check_batch_arithmetic(cfg_dict: Mapping, n_gpus_total: int) -> list[str]:
 def batch_problems_for(cfg: Mapping) -> list[str]:
     """Batch arithmetic against the real sizes of the roles' worker groups (CPU ranks count
     like GPUs: every rank takes an equal share of a mini-batch)."""
-    from hpc_verl.trainer.topology import topology
+    from hpc_verl.trainer.config.topology import topology
 
     topo = topology(cfg)
     sizes = {}
@@ -485,7 +485,7 @@ def validate_for_run(cfg: Mapping) -> None:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true or use "
                           "algorithm.adv_estimator=grpo")
     if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":   # here, where the workers run, not on a login node
-        from hpc_verl.trainer.vllm_engine import check_vllm_install
+        from hpc_verl.trainer.rollout.vllm_engine import check_vllm_install
         check_vllm_install(str(cfg["trainer"]["device"]))
 
 

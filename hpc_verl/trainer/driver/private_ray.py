@@ -2,7 +2,7 @@
 
 ``hpc-verl train`` without a Ray address runs a single-node Ray of its own. Its head (GCS,
 raylet, and under the raylet Ray's agents and the trainer's ranks) is not started by the
-driver itself but by a small head process, ``python -m hpc_verl.trainer.privateray``, in a
+driver itself but by a small head process, ``python -m hpc_verl.trainer.driver.private_ray``, in a
 session of its own, a child subreaper (orphans of the raylet, Ray's agents among them, stay
 under it). The driver holds the write end of a pipe whose read end only the head process
 has:
@@ -37,7 +37,7 @@ from hpc_verl.errors import BootstrapError
 from hpc_verl.util import procs
 from hpc_verl.util.fs import atomic_write_text
 
-MODULE = "hpc_verl.trainer.privateray"
+MODULE = "hpc_verl.trainer.driver.private_ray"
 ADDRESS_FILE = "hpcv-gcs-address"   # in the temp dir, written once the head node is up
 HEAD_LOG = "hpcv-head.log"          # the head process's own output (Ray's start-up errors)
 TOKEN_FILE = "token"

@@ -13,11 +13,11 @@ import time
 from typing import Any, Iterable
 
 from hpc_verl.errors import HpcVerlError
-from hpc_verl.trainer import algorithms as A
-from hpc_verl.trainer import prompt_attention as P
-from hpc_verl.trainer.kvcache import expand_rows, preallocated_cache
-from hpc_verl.trainer.lm import cpu_linears, load_causal_lm, load_tokenizer, pick_device, setup_threads, torch_mod
-from hpc_verl.trainer.parallel import load_named
+from hpc_verl.trainer import core_algos as A
+from hpc_verl.trainer.rollout import prompt_attention as P
+from hpc_verl.trainer.engine.kvcache import expand_rows, preallocated_cache
+from hpc_verl.trainer.engine.logprobs import cpu_linears, load_causal_lm, load_tokenizer, pick_device, setup_threads, torch_mod
+from hpc_verl.trainer.engine.parallel import load_named
 
 
 class StalePolicyError(HpcVerlError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from hpc_verl.trainer import algorithms as A
+from hpc_verl.trainer import core_algos as A
 
 
 def torch_mod() -> Any:
@@ -61,7 +61,7 @@ def pin_process(cpu: int) -> None:
 
 def cpu_linears(cfg: dict, model: Any) -> int:
     """``hpc_verl.cpu_matmul``: a CPU model's float32 linear layers on oneDNN (``cpu_gemm``); how many."""
-    from hpc_verl.trainer import cpu_gemm
+    from hpc_verl.trainer.engine import cpu_gemm
 
     return cpu_gemm.install(model, cfg["hpc_verl"]["cpu_matmul"])   # (layers on a GPU are left as they are)
 
@@ -97,7 +97,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 
 def _not_loading(path: str, what: str, exc: BaseException) -> Exception:
     """One line for a model directory a rank cannot load (transformers' message starts with the cause)."""
-    from hpc_verl.trainer.model import ModelError
+    from hpc_verl.trainer.models.check import ModelError
 
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
     return ModelError(f"model {path}: the {what} does not load ({type(exc).__name__}: "
@@ -167,7 +167,7 @@ def _shared_prompt_logits(model: Any, ids: Any, attn: Any, pos: Any, resp_len: i
     torch = torch_mod()
     from transformers.cache_utils import DynamicCache
 
-    from hpc_verl.trainer.kvcache import expand_rows
+    from hpc_verl.trainer.engine.kvcache import expand_rows
 
     plen = ids.shape[1] - resp_len
     if plen < 1 or resp_len < 1 or ids.shape[0] < 2:

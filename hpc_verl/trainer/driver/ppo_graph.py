@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from hpc_verl.errors import BootstrapError, ConfigError, install_stop_signals
 from hpc_verl.util import rayready
-from hpc_verl.trainer.topology import Topology, topology
+from hpc_verl.trainer.config.topology import Topology, topology
 
 log = logging.getLogger("hpc_verl.trainer")
 
@@ -40,8 +40,8 @@ def worker_groups(cfg: Mapping, topo: Topology) -> dict[str, Any]:
 def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
     """Declare the PPO dataflow for ``cfg`` (a plain dict)."""
     from hpc_verl.dataflow import DataflowGraph, Edge, Node
-    from hpc_verl.trainer import nodes as N   # (torch: not at import, so Ray can start before it loads)
-    from hpc_verl.trainer.workers import actor_rows
+    from hpc_verl.trainer.roles import nodes as N   # (torch: not at import, so Ray can start before it loads)
+    from hpc_verl.trainer.roles.workers import actor_rows
 
     topo = topology(cfg)
     groups = worker_groups(cfg, topo)
@@ -115,7 +115,7 @@ def describe_placement(cfg: Mapping) -> str:
     """What ``--dry-run`` prints: the worker groups and the placement plan on the cluster the
     config describes (batch arithmetic checked against the groups first)."""
     from hpc_verl.dataflow import make_plan
-    from hpc_verl.trainer.config import batch_problems_for
+    from hpc_verl.trainer.config.schema import batch_problems_for
 
     problems = batch_problems_for(cfg)
     if problems:
@@ -258,7 +258,7 @@ class DataflowRunner:
         in a process of its own that ends all of it when this driver dies (trainer.privateray)."""
         import tempfile
 
-        from hpc_verl.trainer import privateray
+        from hpc_verl.trainer.driver import private_ray as privateray
 
         hv = cfg["hpc_verl"]
         os.environ.update({**env, **rayready.RAYLET_ENV})   # (the head's raylet passes them to the ranks)
@@ -500,7 +500,7 @@ class InlineRunner:
 
     def publish_policy(self, version: int) -> None:
         from hpc_verl.dataflow import TENSORS
-        from hpc_verl.trainer.nodes import POLICY_EDGE
+        from hpc_verl.trainer.roles.nodes import POLICY_EDGE
         self._deliver("actor_update", [(POLICY_EDGE, version, TENSORS)])
 
     def stream(self, produce: Any, depth: int) -> Any:

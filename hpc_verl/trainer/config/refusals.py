@@ -86,14 +86,14 @@ REFUSALS: tuple[Refusal, ...] = (
 
 
 def _rollout_shares_actor(cfg: Mapping) -> bool:
-    from hpc_verl.trainer.topology import topology
+    from hpc_verl.trainer.config.topology import topology
     topo = topology(cfg)
     return topo.role_group.get("rollout") == topo.role_group.get("actor")
 
 
 def refuse_unsupported(cfg: Mapping) -> None:
     """Raise one ConfigError line for the first value the trainer cannot honour."""
-    from hpc_verl.trainer.trackers import check_logger_names
+    from hpc_verl.trainer.observe.trackers import check_logger_names
     check_logger_names(get_path(cfg, "trainer.logger"))
     for rule in REFUSALS:
         value = get_path(cfg, rule.key)
@@ -146,7 +146,7 @@ def derive_sequence_parallel(cfg: dict) -> None:
 
 def derive_micro_batches(cfg: dict) -> None:
     """verl's deprecated global micro-batch keys -> per rank (divided by the role's group size)."""
-    from hpc_verl.trainer.topology import topology
+    from hpc_verl.trainer.config.topology import topology
 
     topo = topology(cfg)
     for role, global_key, rank_key in MICRO_BATCH_KEYS:

@@ -150,7 +150,7 @@ def ulysses_attention(module: Any, query: Any, key: Any, value: Any, attention_m
     if p > 1:
         if attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[-1] != query.shape[2] * p:
             raise UlyssesError("Ulysses attention over a group needs the whole sequence's mask; run the model "
-                               "through hpc_verl.trainer.ulysses.shard_batch (no KV cache)")
+                               "through hpc_verl.trainer.engine.ulysses.shard_batch (no KV cache)")
         if kv % p:   # fewer KV heads than ranks: replicate so that every rank holds one
             key, value = _repeat_heads(key, p // kv), _repeat_heads(value, p // kv)
         query, key, value = (exchange(t, group, True) for t in (query, key, value))
@@ -301,7 +301,7 @@ def response_log_probs(model: Any, batch: dict, temperature: float = 1.0, with_e
     this rank's chunk against the labels of its chunk, gathered into the response columns."""
     import torch
 
-    from hpc_verl.trainer import algorithms as A
+    from hpc_verl.trainer import core_algos as A
     dev = device if device is not None else next(model.parameters()).device
     ids = batch["input_ids"].to(dev)
     out, sb = forward(model, ids, batch["attention_mask"].to(dev), batch["position_ids"].to(dev), group)
@@ -339,7 +339,7 @@ def compare_with_unsplit(ref: Any, batch: dict, group: Any, temperature: float =
 
     import torch
 
-    from hpc_verl.trainer.lm import response_log_probs as unsplit_log_probs
+    from hpc_verl.trainer.engine.logprobs import response_log_probs as unsplit_log_probs
     sp = enable(copy.deepcopy(ref), group)
     dev = next(ref.parameters()).device
     b = {k: v.to(dev) for k, v in batch.items()}

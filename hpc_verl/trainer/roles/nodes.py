@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from hpc_verl.dataflow.context import SNAPSHOT, TENSORS
-from hpc_verl.trainer.model import quiet_transformers
+from hpc_verl.trainer.models.check import quiet_transformers
 
 # algorithms, workers and lm import torch: each method imports what it uses, so the driver, which
 # imports this module for the node classes only (to build the graph), never imports torch
@@ -47,9 +47,9 @@ def _sum_counts(*parts: dict | None) -> dict[str, int]:
 def make_rollout_worker(cfg: dict) -> Any:
     """The configured rollout (``rollout.name``); vllm without vLLM or GPUs is one clear error."""
     if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":
-        from hpc_verl.trainer.vllm_rollout import VLLMRolloutWorker
+        from hpc_verl.trainer.rollout.vllm_worker import VLLMRolloutWorker
         return VLLMRolloutWorker(cfg)
-    from hpc_verl.trainer.rollout import RolloutWorker
+    from hpc_verl.trainer.rollout.hf import RolloutWorker
     return RolloutWorker(cfg)
 
 
@@ -88,7 +88,7 @@ class RolloutNode:
         return check_prompt_ids(self.worker.tokenizer, samples, chat_template, "actor_rollout")
 
     def process(self, shard: dict) -> dict:
-        from hpc_verl.trainer.lm import can_share_prompts, response_log_probs
+        from hpc_verl.trainer.engine.logprobs import can_share_prompts, response_log_probs
         ctx = _context()
         first_row = ctx.shard_rows[0] if ctx.shard_rows else 0
         out = self.worker.generate(shard, required_version=shard.get("required_version"), first_row=first_row)
@@ -127,7 +127,7 @@ class RolloutNode:
 
 class RewardNode:
     def __init__(self, cfg: dict) -> None:
-        from hpc_verl.trainer import workers as W
+        from hpc_verl.trainer.roles import workers as W
         if cfg["reward_model"]["enable"]:   # rule rewards score the rollout's text: no transformers import
             quiet_transformers()
         self.worker = W.RewardWorker(cfg)
@@ -149,7 +149,7 @@ class _Ulysses:
         """Why the batches could not be split over all ranks without Ulysses (None: they can)."""
         import copy
 
-        from hpc_verl.trainer.config import batch_problems_for
+        from hpc_verl.trainer.config.schema import batch_problems_for
         cfg = copy.deepcopy(self.worker.cfg)
         cfg["actor_rollout_ref"]["actor"]["fsdp_config"]["ulysses_sequence_parallel_size"] = 1
         cfg["actor_rollout_ref"]["actor"]["ulysses_sequence_parallel_size"] = 1
@@ -165,7 +165,7 @@ class RefNode(_Ulysses):
     preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict) -> None:
-        from hpc_verl.trainer import workers as W
+        from hpc_verl.trainer.roles import workers as W
         quiet_transformers()
         self.worker = W.RefWorker(cfg)
 
@@ -180,12 +180,12 @@ class _AdvantageMixin:
     kl_ctrl: Any
 
     def _init_kl(self, cfg: dict) -> None:
-        from hpc_verl.trainer import algorithms as A
+        from hpc_verl.trainer import core_algos as A
         self.cfg = cfg
         self.kl_ctrl = A.make_kl_controller(cfg["algorithm"]["kl_ctrl"])
 
     def _token_rewards(self, batch: dict, scores: Any, ref: dict | None) -> tuple[Any, dict]:
-        from hpc_verl.trainer import algorithms as A
+        from hpc_verl.trainer import core_algos as A
         algo = self.cfg["algorithm"]
         mask = batch["response_mask"]
         token_scores = A.scores_to_token_rewards(scores, mask)
@@ -219,7 +219,7 @@ class AdvantageNode(_AdvantageMixin):
         self._init_kl(cfg)
 
     def process(self, joined: dict) -> dict:
-        from hpc_verl.trainer import algorithms as A
+        from hpc_verl.trainer import core_algos as A
         batch = joined["actor_rollout"]
         scores = joined["reward_score"]["scores"]
         ref = joined.get("ref_logprob")
@@ -245,7 +245,7 @@ class CriticNode(_AdvantageMixin, _Ulysses):
     preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
-        from hpc_verl.trainer import workers as W
+        from hpc_verl.trainer.roles import workers as W
         quiet_transformers()
         self._init_kl(cfg)
         self.worker = W.CriticWorker(cfg, total_steps)
@@ -255,7 +255,7 @@ class CriticNode(_AdvantageMixin, _Ulysses):
         return {f"update_critic/{k}": v for k, v in self.worker.model.phases.last.items()}
 
     def process(self, joined: dict) -> dict:
-        from hpc_verl.trainer import algorithms as A
+        from hpc_verl.trainer import core_algos as A
         batch = dict(joined["actor_rollout"])
         scores = joined["reward_score"]["scores"]
         ref = joined.get("ref_logprob")
@@ -301,7 +301,7 @@ class ActorNode(_Ulysses):
     preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
-        from hpc_verl.trainer import workers as W
+        from hpc_verl.trainer.roles import workers as W
         quiet_transformers()
         self.worker = W.ActorWorker(cfg, total_steps)
         self.cfg = cfg
@@ -412,6 +412,6 @@ class ActorNode(_Ulysses):
 
 def _check_world(cfg: dict, world: int) -> str | None:
     """Why ``world`` data-parallel ranks cannot take this config's batches (None: they can)."""
-    from hpc_verl.trainer.config import check_batch_arithmetic
+    from hpc_verl.trainer.config.schema import check_batch_arithmetic
     problems = check_batch_arithmetic(cfg, world)
     return problems[0] if problems else None

@@ -58,7 +58,7 @@ def enable(model: Any) -> None:
 
 
 def _layer_class() -> Any:
-    from hpc_verl.trainer.kvcache import preallocated_layer_class
+    from hpc_verl.trainer.engine.kvcache import preallocated_layer_class
 
     class SharedPromptLayer(preallocated_layer_class()):
         """The first update (the prefill, one row per prompt) is the prompt part, kept as it came;

