@@ -147,7 +147,7 @@ def ours_child(spec: dict[str, Any]) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from hpc_verl.trainer.config.schema import load_config
-    from hpc_verl.trainer.driver.ppo_graph import InlineRunner
+    from hpc_verl.trainer.driver.inline_runner import InlineRunner
     from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
 
     s = spec["settings"]

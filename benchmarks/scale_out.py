@@ -259,7 +259,7 @@ def weight_sync(args: argparse.Namespace, work: Path, progress: Any) -> list[dic
     import ray
 
     from hpc_verl.trainer.config.schema import load_config
-    from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+    from hpc_verl.trainer.driver.ray_runner import DataflowRunner
 
     rows = []
     task = progress.add_task("weight-sync sweep", total=2 * len(args.sync_sizes))

@@ -66,7 +66,7 @@ def timed_train(argv: list[str], marks_file: str) -> int:
     import ray
 
     from hpc_verl.dataflow import HybridScheduler
-    from hpc_verl.trainer.driver import ppo_graph as graph
+    from hpc_verl.trainer.driver import ray_runner
     from hpc_verl.trainer import main
     from hpc_verl.trainer.driver import ppo_trainer as ppo
     marks["imports_done"] = time.time()
@@ -74,7 +74,7 @@ def timed_train(argv: list[str], marks_file: str) -> int:
     wrap(ray, "init", "ray_init")
     wrap(HybridScheduler, "start", "actors_start")
     wrap(ppo.PPOTrainer, "train_step", "step")
-    runner = getattr(graph, "DataflowRunner", None)
+    runner = getattr(ray_runner, "DataflowRunner", None)
     shutdown = getattr(runner, "shutdown", None)
     if shutdown is not None:
         def with_timeline(self: Any) -> None:

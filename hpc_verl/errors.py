@@ -24,6 +24,10 @@ FAILURE_FILE_ENV = "HPCV_FAILURE_FILE"
 FAILURE_FILE_NAME = "failure.txt"   # in the job's run directory (rendered into the script)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 OS_ERROR_EXIT = 1
+#: the variable a job sets to change the requeue exit code (the script exports the value it tests)
+REQUEUE_EXIT_VAR = "HPC_VERL_REQUEUE_EXIT_CODE"
+#: "checkpointed on the preemption signal, requeue me": the trainer's exit, the launcher's cue to requeue
+REQUEUE_EXIT_CODE = int(os.environ.get(REQUEUE_EXIT_VAR, "99"))
 
 
 class HpcVerlError(Exception):
@@ -62,6 +66,10 @@ class DataError(HpcVerlError):
 
 class DataflowError(HpcVerlError):
     """A dataflow graph is invalid or cannot be placed on the cluster."""
+
+
+class CheckpointError(HpcVerlError):
+    """A checkpoint is missing, damaged or unreadable."""
 
 
 class Stopped(BaseException):

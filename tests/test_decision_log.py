@@ -15,7 +15,8 @@ import pytest
 from hpc_verl.dataflow import HybridScheduler
 from hpc_verl.trainer import main as trainer_main
 from hpc_verl.trainer.config.schema import load_config
-from hpc_verl.trainer.driver.ppo_graph import DataflowRunner, build_ppo_graph, synthetic_cluster
+from hpc_verl.trainer.driver.ppo_graph import build_ppo_graph, synthetic_cluster
+from hpc_verl.trainer.driver.ray_runner import DataflowRunner
 
 OVERRIDES = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "data.train_batch_size=16",
              "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",

@@ -28,7 +28,8 @@ class Roles:
     """An actor and a critic worker in one rank of a worker group (the hybrid layout)."""
 
     def __init__(self, cfg: dict) -> None:
-        from hpc_verl.trainer.roles.workers import ActorWorker, CriticWorker
+        from hpc_verl.trainer.roles.actor import ActorWorker
+        from hpc_verl.trainer.roles.critic import CriticWorker
         self.cfg = cfg
         self.actor = ActorWorker(cfg, total_steps=4)
         self.critic = CriticWorker(cfg, total_steps=4)
@@ -41,7 +42,7 @@ class Roles:
         actor_batch = dict(batch)
         if own_rows:   # the actor gets only the rows it trains on (what take_rows fetches in a run)
             from hpc_verl.dataflow import current_context
-            from hpc_verl.trainer.roles.workers import actor_rows
+            from hpc_verl.trainer.roles.minibatch import actor_rows
             ctx = current_context()
             n = batch["responses"].shape[0]
             rows = actor_rows(self.cfg, n, ctx.rank, ctx.world_size, {"step": 1})

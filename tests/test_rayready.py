@@ -73,7 +73,7 @@ def _early_trainer(code: str, ready_file: Path, timeout_s: float) -> subprocess.
 EARLY = """
 import os, sys
 from hpc_verl.errors import BootstrapError
-from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+from hpc_verl.trainer.driver.ray_runner import DataflowRunner
 assert "ray" not in sys.modules
 try:
     DataflowRunner()._connect({"hpc_verl": {"ray_address": None}})
@@ -105,7 +105,7 @@ def test_an_early_trainer_imports_ray_before_the_record_and_checks_its_token(tmp
 
 BEGIN = """
 import sys, threading, time
-from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+from hpc_verl.trainer.driver.ray_runner import DataflowRunner
 assert "ray" not in sys.modules
 runner = DataflowRunner()
 runner.begin({"hpc_verl": {"ray_address": None}})

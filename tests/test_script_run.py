@@ -125,7 +125,7 @@ def test_preemption_signal_checkpoints_and_requeues(fc):
 @pytest.mark.parametrize("code, trainer_rc, requeued", [(None, 99, True), ("42", 42, True), ("42", 99, False)])
 def test_requeue_exit_code_is_the_trainers_constant(fc, code, trainer_rc, requeued):
     """The script requeues on exactly the code the trainer uses for "checkpointed, requeue me"
-    (trainer.checkpoint.REQUEUE_EXIT_CODE, or the variable a profile sets), and the trainer in the
+    (errors.REQUEUE_EXIT_CODE, or the variable a profile sets), and the trainer in the
     job sees that same code in its environment."""
     sets = [f"env.vars.HPC_VERL_REQUEUE_EXIT_CODE={code}"] if code else []
     res = fc.run(fc.render("testbed", sets), FAKE_TRAINER_RC=str(trainer_rc),

@@ -38,7 +38,7 @@ def no_network(monkeypatch):
 
 def _fit(tiny_model, digits_data, run: Path, steps: int) -> list[dict]:
     from hpc_verl.trainer.config.schema import load_config
-    from hpc_verl.trainer.driver.ppo_graph import InlineRunner
+    from hpc_verl.trainer.driver.inline_runner import InlineRunner
     from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
     cfg = load_config(None, digit_overrides(tiny_model, digits_data, run, steps, (
         "trainer.logger=[console,file,tensorboard,wandb,mlflow]", "trainer.save_freq=2",

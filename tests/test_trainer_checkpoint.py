@@ -52,7 +52,7 @@ def test_preemption_flag_from_signal_or_launcher_file(tmp_path, monkeypatch):
     import os
     import signal
 
-    from hpc_verl.trainer.driver.checkpoint import PreemptionFlag
+    from hpc_verl.trainer.driver.preemption import PreemptionFlag
 
     marker = tmp_path / "PREEMPT"
     monkeypatch.setenv("HPCV_PREEMPT_FILE", str(marker))

@@ -72,7 +72,8 @@ def _wait_for(cond, proc: subprocess.Popen, log: Path, timeout_s: float = 400) -
 @pytest.mark.slow
 def test_kill_after_checkpoint_then_resume_and_preempt(tiny_model, digits_data, tmp_path):
     from hpc_verl.data.dataset import ResumableSampler
-    from hpc_verl.trainer.driver.checkpoint import REQUEUE_EXIT_CODE, latest_checkpoint
+    from hpc_verl.errors import REQUEUE_EXIT_CODE
+    from hpc_verl.trainer.driver.checkpoint import latest_checkpoint
 
     run_dir = tmp_path / "run"
     args = digit_overrides(tiny_model, digits_data, run_dir, 40, ("trainer.save_freq=2", "trainer.seed=3"))

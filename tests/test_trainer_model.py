@@ -69,7 +69,7 @@ def test_job_model_check_stage_is_quick_and_still_refuses_broken_models(tiny_mod
 
 def test_rollout_generates_masked_responses_and_syncs_versions(tiny_model, digits_data, tmp_path):
     from hpc_verl.trainer.rollout import hf as R
-    from hpc_verl.trainer.roles import workers as W
+    from hpc_verl.trainer.roles import actor as W
     cfg = _cfg(tiny_model, digits_data, tmp_path, "data.max_response_length=6")
     roll = R.RolloutWorker(cfg)
     actor = W.ActorWorker(cfg)
@@ -115,7 +115,7 @@ def test_rollout_generates_masked_responses_and_syncs_versions(tiny_model, digit
 def test_actor_update_accumulates_micro_batches_like_one_batch(tiny_model, digits_data, tmp_path):
     """Grad accumulation over micro-batches gives the same update as the whole mini-batch at once."""
     from hpc_verl.trainer.rollout import hf as R
-    from hpc_verl.trainer.roles import workers as W
+    from hpc_verl.trainer.roles import actor as W
     base = ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=2",
             "data.train_batch_size=16", "actor_rollout_ref.actor.grad_clip=1000",
             "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")

@@ -11,7 +11,7 @@ from trainer_fixtures import digit_overrides, digits_data, tiny_model  # noqa: E
 
 def _trainer(tiny_model, digits_data, run_dir, steps, *extra):
     from hpc_verl.trainer.config.schema import load_config
-    from hpc_verl.trainer.driver.ppo_graph import InlineRunner
+    from hpc_verl.trainer.driver.inline_runner import InlineRunner
     from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
     cfg = load_config(None, digit_overrides(tiny_model, digits_data, run_dir, steps, (
         "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
@@ -39,13 +39,14 @@ def test_gae_critic_kl_graph_and_exact_restore(tiny_model, digits_data, tmp_path
 
     # a fresh trainer with resume_mode=auto restores every piece of state exactly
     tr2 = _trainer(tiny_model, digits_data, run, 3)
-    from hpc_verl.trainer.driver.ppo_graph import InlineRunner
+    from hpc_verl.trainer.driver.inline_runner import InlineRunner
     tr2.runner = InlineRunner()
     tr2.runner.start(tr2.cfg.to_dict(), tr2.total_steps)
     tr2._restore(latest_checkpoint(run))
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from hpc_verl.trainer.driver.checkpoint import load_checkpoint, read_sharded
+    from hpc_verl.trainer.driver.checkpoint import load_checkpoint
+    from hpc_verl.trainer.engine.sharded import read_sharded
     ckpt = latest_checkpoint(run)
     state, parts = load_checkpoint(ckpt)
     saved_actor, saved_critic = read_sharded(ckpt / "actor"), read_sharded(ckpt / "critic")

@@ -79,7 +79,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def _weights(ckpt: Path) -> dict:
-    from hpc_verl.trainer.driver.checkpoint import read_sharded
+    from hpc_verl.trainer.engine.sharded import read_sharded
     return read_sharded(ckpt / "actor")
 
 
@@ -201,7 +201,7 @@ def test_live_resize_of_the_hybrid_group_between_steps(tiny_model, digits_data, 
     from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
     from hpc_verl.errors import DataflowError
     from hpc_verl.trainer.config.schema import load_config
-    from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+    from hpc_verl.trainer.driver.ray_runner import DataflowRunner
     from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
 
     cluster = start_sim_cluster([(4, 0)])
@@ -231,7 +231,7 @@ def test_live_resize_of_the_hybrid_group_between_steps(tiny_model, digits_data, 
 def test_disable_ulysses_switches_the_next_step_to_unsplit(tiny_model, digits_data, tmp_path):
     from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
     from hpc_verl.trainer.config.schema import load_config
-    from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+    from hpc_verl.trainer.driver.ray_runner import DataflowRunner
     from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
 
     cluster = start_sim_cluster([(3, 0)])

@@ -21,7 +21,7 @@ import pytest
 from hpc_verl.launch.spec.jobconfig import job_from_dict
 from hpc_verl.launch.spec.render import render_sbatch
 from hpc_verl.profiles import load_profile
-from hpc_verl.trainer.driver.checkpoint import REQUEUE_EXIT_CODE
+from hpc_verl.errors import REQUEUE_EXIT_CODE
 from hpc_verl.verl_upstream import expiry, supervise
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ data-parallel ranks), ``global_batch_size`` = ppo_mini_batch_size x rollout.n an
 and DDP/FSDP average the ranks' gradients; so the mini-batch's gradient-equivalent loss is the
 sum of verl's micro-batch losses over ranks and micro-batches divided by ``dp_size``. Ours is the
 sum of our micro-batch losses over our denominators (``algorithms.loss_denominator``, as
-``workers._Trainable._updates`` computes them). Every value of the config keys this covers is
+``roles.base.TrainableRole._updates`` computes them). Every value of the config keys this covers is
 taken from ``hpc_verl.trainer.config.schema``, so a value we accept is a value tested here.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import os, sys
 from hpc_verl.trainer.config.schema import load_config
-from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+from hpc_verl.trainer.driver.ray_runner import DataflowRunner
 import ray
 cfg = load_config(None, [f"hpc_verl.run_dir={sys.argv[1]}", "hpc_verl.ray_num_cpus=1"]).to_dict()
 runner = DataflowRunner()

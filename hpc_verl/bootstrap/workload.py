@@ -10,7 +10,7 @@ connects to ``RAY_ADDRESS`` with the job's token, runs one task pinned to every
 SLURM node of the job (by its ``hpcv_node_<name>`` resource, one GPU each) and
 then N "training steps", checkpointing after each to ``<job_dir>/ckpt.json``
 (atomic). On SIGUSR2 it finishes the current step, checkpoints and exits with
-:data:`REQUEUE_EXIT` (``trainer.checkpoint.REQUEUE_EXIT_CODE``, 99): the contract the PPO
+:data:`REQUEUE_EXIT` (``errors.REQUEUE_EXIT_CODE``, 99): the contract the PPO
 trainer follows too. A restarted
 run resumes from the checkpoint. The result goes to ``<job_dir>/result.json``.
 """
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpc_verl.trainer.driver.checkpoint import REQUEUE_EXIT_CODE as REQUEUE_EXIT  # the trainer's contract
+from hpc_verl.errors import REQUEUE_EXIT_CODE as REQUEUE_EXIT  # the trainer's contract
 from hpc_verl.util.fs import atomic_write_json
 
 

@@ -103,8 +103,20 @@ class WorkerContext:
                                 f"'{data_type}' (has {', '.join(self.out_control)})")
         self._emitted.append((data_type, int(version), payload))
 
+    def take_emitted(self) -> list[tuple[str, int, Any]]:
+        """The control messages emitted since the last call, ``(data_type, version, payload)``;
+        the list starts empty again (a runner delivers them after each handler)."""
+        out, self._emitted = self._emitted, []
+        return out
+
 
 _CONTEXT: "WorkerContext | None" = None
+
+
+def activate(ctx: "WorkerContext | None") -> None:
+    """Make ``ctx`` the context ``current_context()`` returns (a runner, before a handler runs)."""
+    global _CONTEXT
+    _CONTEXT = ctx
 
 
 def current_context() -> WorkerContext:

@@ -142,7 +142,7 @@ class Suite:
                 "vocab": self.config.vocab_size}
 
     def _actor_update(self, strategy: str, keep: bool) -> dict:
-        from hpc_verl.trainer.roles.workers import ActorWorker
+        from hpc_verl.trainer.roles.actor import ActorWorker
         self._group()
         self._drop_actor()
         self._reset_peak()
@@ -210,11 +210,11 @@ class Suite:
                 "rollout_dtype": str(next(iter(got.values())).dtype).replace("torch.", "")}
 
     def check_critic_forward(self) -> dict:
-        from hpc_verl.trainer.roles.workers import CriticWorker
+        from hpc_verl.trainer.roles.critic import CriticWorker
         return self._forward_role(lambda cfg: CriticWorker(cfg, total_steps=10), lambda w, b: w.compute_values(b))
 
     def check_ref_forward(self) -> dict:
-        from hpc_verl.trainer.roles.workers import RefWorker
+        from hpc_verl.trainer.roles.ref import RefWorker
         return self._forward_role(RefWorker, lambda w, b: w.compute_ref_log_prob(b))
 
     def _forward_role(self, make: Callable[[dict], Any], run: Callable[[Any, dict], Any]) -> dict:

@@ -5,15 +5,42 @@ against independent numpy computations and, value by value, against upstream ver
 0.9.1's own functions (``tests/test_verl_parity.py``). Conventions follow verl:
 masks mark the response tokens that count; losses are aggregated by
 ``loss_agg_mode`` over a whole mini-batch, as verl's training engine does.
+
+The names the trainer accepts (estimators, loss aggregation modes, schedules) are defined
+here once; the config (driver, no torch) reads them, so torch is imported on first use.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
 import math
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+
+class _TorchOnFirstUse:
+    """Stands for torch until a function here first runs, then puts torch itself in its place:
+    the config's name lists load without torch, and the maths pays nothing after the first call."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch   # heavy: only when maths runs (the config reads this module's names)
+
+        globals()["torch"] = torch
+        return getattr(torch, name)
+
+
+if not TYPE_CHECKING:
+    torch = _TorchOnFirstUse()
+
+# verl 0.9.1's names (each means what it means in verl: tests/test_verl_parity.py)
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+OUTCOME_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = ("gae", *OUTCOME_ESTIMATORS)   # gae: the critic's; the others are critic-free
+KL_BASE_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_ESTIMATORS = KL_BASE_ESTIMATORS + tuple(k + "+" for k in KL_BASE_ESTIMATORS)   # "+": k's value, k2's gradient
+LR_SCHEDULERS = ("constant", "cosine")
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -177,9 +204,6 @@ def compute_reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Ten
     return masked_whiten(returns, mask) * mask, returns
 
 
-OUTCOME_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-
-
 def outcome_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.Tensor,
                        group_ids: Sequence[Hashable], gamma: float = 1.0, norm_adv_by_std_in_grpo: bool = True
                        ) -> torch.Tensor:
@@ -263,9 +287,6 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     """log softmax(logits)[label] without materialising the full log-softmax twice."""
     logits = logits.float()
     return torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "kl") -> torch.Tensor:

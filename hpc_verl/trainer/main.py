@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _setup_logging()
     from hpc_verl.trainer.config.schema import validate_for_run
-    from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+    from hpc_verl.trainer.driver.ray_runner import DataflowRunner
     from hpc_verl.trainer.models.check import check_model_dir
     from hpc_verl.util.fs import ensure_writable_dir
 

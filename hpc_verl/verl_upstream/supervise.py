@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from hpc_verl.trainer.driver.checkpoint import REQUEUE_EXIT_CODE
+from hpc_verl.errors import REQUEUE_EXIT_CODE
 from hpc_verl.verl_upstream import expiry
 
 #: verl's tracker file (``get_checkpoint_tracker_filename``), written after a save completes.

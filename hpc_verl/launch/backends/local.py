@@ -209,7 +209,7 @@ def _settle(job_dir: str, signum: int) -> list[int]:
 # ---------------------------------------------------------------------------- job ops
 def requeue_exit_code(rec: registry.JobRecord) -> int:
     """The job's "checkpointed, stopped, resume me" exit status (the profile may set its own)."""
-    from hpc_verl.trainer.driver.checkpoint import REQUEUE_EXIT_CODE
+    from hpc_verl.errors import REQUEUE_EXIT_CODE
 
     text = str(sup.profile_of(rec).get("env", {}).get("vars", {}).get("HPC_VERL_REQUEUE_EXIT_CODE", ""))
     return int(text) if text.isdigit() else REQUEUE_EXIT_CODE

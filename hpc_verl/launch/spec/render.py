@@ -27,7 +27,7 @@ from hpc_verl.bootstrap.timing import FAILURE_REPORT_S
 from hpc_verl.errors import FAILURE_FILE_NAME, RenderError
 from hpc_verl.launch.spec.jobconfig import JobConfig
 from hpc_verl.profiles.schema import Profile, parse_size_bytes
-from hpc_verl.trainer.driver.checkpoint import REQUEUE_EXIT_CODE
+from hpc_verl.errors import REQUEUE_EXIT_CODE
 from hpc_verl.util.package import PACKAGE_DIR
 from hpc_verl.util.rayready import READY_FILE_ENV, READY_FILE_NAME, READY_TIMEOUT_ENV
 
@@ -180,7 +180,7 @@ def env_block(profile: Profile) -> list[tuple[str, str, str]]:
 
 def requeue_exit_code(profile: Profile) -> int:
     """The exit status that means "checkpointed, requeue me": the trainer's constant
-    (``trainer.checkpoint.REQUEUE_EXIT_CODE``), or the profile's ``env.vars`` value of its
+    (``errors.REQUEUE_EXIT_CODE``), or the profile's ``env.vars`` value of its
     variable when the profile sets one (the trainer in the job then reads that)."""
     text = profile.env.vars.get(REQUEUE_EXIT_VAR)
     if text is None:
@@ -264,7 +264,7 @@ def _expiry_context(profile: Profile, job: JobConfig) -> dict[str, Any] | None:
     """What partials/verl_expiry.sh.j2 renders: SLURM jobs of upstream verl only (None: not rendered)."""
     if profile.scheduler != "slurm" or not _is_verl(job):
         return None
-    from hpc_verl.trainer.driver.checkpoint import REQUEUE_EXIT_CODE
+    from hpc_verl.errors import REQUEUE_EXIT_CODE
     from hpc_verl.verl_upstream import expiry
     return {"env": expiry.EXPIRY_ENV, "poll_s": int(expiry.POLL_DEFAULT_S), "requeue_exit": REQUEUE_EXIT_CODE}
 

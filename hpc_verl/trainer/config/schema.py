@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import yaml
 
 from hpc_verl.errors import ConfigError
+from hpc_verl.trainer.core_algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LR_SCHEDULERS
 from hpc_verl.util.batch_rules import ROLES as BATCH_ROLES
 from hpc_verl.util.batch_rules import batch_problems
 from hpc_verl.util.dotted import get_path
@@ -75,13 +76,6 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "actor_rollout_ref.actor.optim.warmup_style": (str,),
     "critic.optim.warmup_style": (str,),
 }
-
-# verl 0.9.1's names (each means what it means in verl: tests/test_verl_parity.py)
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-_KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-KL_ESTIMATORS = _KL + tuple(k + "+" for k in _KL)   # "+": the value of k, the gradient of k2
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-LR_SCHEDULERS = ("constant", "cosine")
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "data.truncation": ("error", "left", "right"),

@@ -25,12 +25,11 @@ import math
 import os
 import re
 import shutil
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from hpc_verl.errors import HpcVerlError, free_bytes
+from hpc_verl.errors import CheckpointError, free_bytes
 from hpc_verl.util.fs import atomic_write_text
 
 log = logging.getLogger("hpc_verl.trainer")
@@ -44,13 +43,8 @@ _CHUNK = 1 << 20
 #: torch's zip writer reports a failed write (a full disk) as RuntimeError with one of these
 _TORCH_WRITE_FAILED = ("file write failed", "unexpected pos", "PytorchStreamWriter failed")
 
-#: Exit code meaning "checkpointed on the preemption signal, requeue me" (the launcher maps it).
-REQUEUE_EXIT_CODE = int(os.environ.get("HPC_VERL_REQUEUE_EXIT_CODE", "99"))
-PREEMPT_SIGNAL = signal.SIGUSR2
-
-
-class CheckpointError(HpcVerlError):
-    """A checkpoint is missing, damaged or unreadable."""
+#: the trainer state's "format": 2 = sharded actor/critic directories (1: whole-model actor.pt, before worker groups)
+CHECKPOINT_FORMAT = 2
 
 
 def step_dir(root: str | os.PathLike[str], step: int) -> Path:
@@ -332,57 +326,3 @@ def load_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> tuple[
     return state, parts
 
 
-def read_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A sharded part (e.g. ``global_step_N/actor``) as one full state dict in this process:
-    ``{"model": {name: tensor}, "optim": {...}}``, whatever world size wrote it (tools, tests,
-    export)."""
-    import tempfile
-
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    p = Path(path)
-    if not (p / ".metadata").is_file():
-        raise CheckpointError(f"{p} is not a sharded checkpoint part (no .metadata); expected global_step_N/actor")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(p), str(out))
-        return torch.load(out, map_location="cpu", weights_only=False)
-
-
-class PreemptionFlag:
-    """Set by SIGUSR2 or by the launcher's preempt file; polled at step boundaries only.
-
-    Inside a job the launcher cannot signal the trainer directly (srun and container
-    ``exec`` wrappers sit in between), so it also creates ``$HPCV_PREEMPT_FILE`` on the
-    shared filesystem; either one asks for a checkpoint and the "requeue me" exit.
-    """
-
-    def __init__(self, preempt_file: str | os.PathLike[str] | None = None) -> None:
-        self._signalled = False
-        self._previous: Any = None
-        path = preempt_file if preempt_file is not None else os.environ.get("HPCV_PREEMPT_FILE")
-        self.preempt_file = Path(path) if path else None
-
-    @property
-    def requested(self) -> bool:
-        if self._signalled:
-            return True
-        return self.preempt_file is not None and self.preempt_file.exists()
-
-    def install(self) -> "PreemptionFlag":
-        try:
-            self._previous = signal.signal(PREEMPT_SIGNAL, self._handle)
-        except ValueError:  # not the main thread: the launcher's signal cannot reach us anyway
-            self._previous = None
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self._signalled = True
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            try:
-                signal.signal(PREEMPT_SIGNAL, self._previous)
-            except ValueError:
-                pass

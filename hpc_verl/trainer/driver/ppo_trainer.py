@@ -16,24 +16,26 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Protocol
 
-from hpc_verl.errors import ConfigError, HpcVerlError
-from hpc_verl.trainer.driver.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, PreemptionFlag, clean_leftovers,
-                                         latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint)
+from hpc_verl.errors import REQUEUE_EXIT_CODE, CheckpointError, ConfigError, HpcVerlError
+from hpc_verl.trainer.driver.checkpoint import (CHECKPOINT_FORMAT, clean_leftovers, latest_checkpoint, load_checkpoint,
+                                                save_checkpoint, verify_checkpoint)
+from hpc_verl.trainer.driver.preemption import PreemptionFlag
 from hpc_verl.trainer.config.topology import topology
 from hpc_verl.trainer.config.schema import Section, to_yaml, validate_for_run
+from hpc_verl.trainer.driver.ppo_graph import adv_node_name
 from hpc_verl.trainer.observe.metrics import MetricsLog, StepProgress, summary_table
+from hpc_verl.trainer.observe.trackers import check_loggers
+from hpc_verl.trainer.roles.nodes import ACTOR_NODE, ADVANTAGE_NODE, CRITIC_NODE, ROLLOUT_NODE
 
 log = logging.getLogger("hpc_verl.trainer")
+
 
 class StepError(HpcVerlError):
     """A step broke an invariant of the run (a policy version out of order)."""
 
 
-CHECKPOINT_FORMAT = 2   # sharded actor/critic directories (1: whole-model actor.pt, before worker groups)
-
-
 class Runner(Protocol):
-    """Where the graph runs (``graph.DataflowRunner`` on Ray; ``graph.InlineRunner`` in tests)."""
+    """Where the graph runs (``ray_runner.DataflowRunner`` on Ray; ``inline_runner.InlineRunner`` in tests)."""
 
     def start(self, cfg: Mapping, total_steps: int) -> None: ...
 
@@ -83,10 +85,7 @@ class PPOTrainer:
         self.version = 0
         random.seed(t.seed)   # (the driver draws from Python's RNG only; the ranks seed torch themselves)
         self.runner = runner
-        from hpc_verl.trainer.driver.ppo_graph import adv_node_name
-
         self.adv_node = adv_node_name(cfg)
-        from hpc_verl.trainer.observe.trackers import check_loggers
         self.loggers = check_loggers(cfg.trainer.logger)   # an unknown or missing logger: before any training
         self.progress_enabled = (cfg.hpc_verl.progress if progress is None else progress) and "console" in self.loggers
         self.preempt = PreemptionFlag()
@@ -132,7 +131,7 @@ class PPOTrainer:
             self.runner.call(node, "load_checkpoint", str(path / sub))
         if "adv" in parts:
             self.runner.call(self.adv_node, "load_state_dict", parts["adv"])
-        version = self.runner.call("actor_update", "get_version")
+        version = self.runner.call(ACTOR_NODE, "get_version")
         if version != self.version:
             raise CheckpointError(f"checkpoint {path}: the actor's state is policy version {version} but the "
                                   f"trainer state says {self.version}; the checkpoint is inconsistent")
@@ -147,23 +146,23 @@ class PPOTrainer:
 
         if isinstance(self.tokenizer, PromptTokenizer):
             samples = probe_samples(self.tokenizer, [s.raw_prompt for s in self.dataset.samples])
-            self.runner.call("actor_rollout", "check_prompt_ids", samples,
+            self.runner.call(ROLLOUT_NODE, "check_prompt_ids", samples,
                              self.cfg.actor_rollout_ref.model.custom_chat_template)
 
     def _sharded_parts(self) -> dict[str, str]:
         """Nodes that save themselves (every rank of their group writes its shards) -> sub-directory."""
-        parts = {"actor_update": "actor"}
-        if self.adv_node == "critic":
-            parts["critic"] = "critic"
+        parts = {ACTOR_NODE: "actor"}
+        if self.adv_node == CRITIC_NODE:
+            parts[CRITIC_NODE] = "critic"
         return parts
 
     def save(self) -> Path:
         parts: dict[str, Any] = {}
-        if self.adv_node == "advantage":
-            parts["adv"] = self.runner.call("advantage", "state_dict")
+        if self.adv_node == ADVANTAGE_NODE:
+            parts["adv"] = self.runner.call(ADVANTAGE_NODE, "state_dict")
         writers = {sub: (lambda d, node=node: self.runner.call(node, "save_checkpoint", str(d)))
                    for node, sub in self._sharded_parts().items()}
-        digests = self.runner.call_all("actor_update", "weights_digest")
+        digests = self.runner.call_all(ACTOR_NODE, "weights_digest")
         if len({d for d in digests if d is not None}) > 1:
             raise HpcVerlError(f"step {self.step}: the actor's data-parallel ranks hold different weights "
                                f"(digests {', '.join(d[:12] for d in digests)}); the replicas drifted, refusing to "
@@ -274,7 +273,7 @@ class PPOTrainer:
     def fit(self) -> int:
         """Train to ``total_steps``; 0 when done, REQUEUE_EXIT_CODE after a preemption checkpoint."""
         if self.runner is None:
-            from hpc_verl.trainer.driver.ppo_graph import DataflowRunner
+            from hpc_verl.trainer.driver.ray_runner import DataflowRunner
             self.runner = DataflowRunner()
         from hpc_verl.util.fs import atomic_write_text
         atomic_write_text(self.run_dir / "config.yaml", to_yaml(self.cfg))

@@ -1,6 +1,6 @@
 """Data parallelism for the trainer's roles: where a worker runs in its group
 (rank, world size, process group), DDP / FSDP2 wrapping, the collectives the
-PPO maths needs, full tensors shard by shard, and sharded checkpoints.
+PPO maths needs and full tensors shard by shard (sharded checkpoint I/O: sharded.py).
 
 Everything here also works without a process group (world size 1, e.g. the
 in-process test runner): collectives become no-ops.
@@ -8,7 +8,6 @@ in-process test runner): collectives become no-ops.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -258,35 +257,6 @@ def load_named(module: Any, named: Any) -> int:
             dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
             n += 1
     return n
-
-
-def save_sharded(path: str, module: Any, optimizer: Any, extra: dict, par: Parallel) -> None:
-    """A ``torch.distributed.checkpoint`` of model + optimizer (every rank writes its shards)
-    and rank 0's ``extra.pt`` (scheduler, versions, generators): loadable at any world size."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    os.makedirs(path, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
-             process_group=par.group if par.distributed else None)
-    if par.rank == 0:
-        torch.save(extra, os.path.join(path, "extra.pt"))
-    par.barrier()
-
-
-def load_sharded(path: str, module: Any, optimizer: Any, par: Parallel) -> dict:
-    """Load ``save_sharded``'s checkpoint into this rank's shards (any world size); returns extra."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path, process_group=par.group if par.distributed else None)
-    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return torch.load(os.path.join(path, "extra.pt"), map_location="cpu", weights_only=False)
 
 
 def offload_optimizer(optimizer: Any, device: str) -> None:

@@ -27,6 +27,13 @@ from hpc_verl.trainer.models.check import quiet_transformers
 # algorithms, workers and lm import torch: each method imports what it uses, so the driver, which
 # imports this module for the node classes only (to build the graph), never imports torch
 
+# The PPO graph's node names (driver/ppo_graph.py declares the graph with them)
+ROLLOUT_NODE = "actor_rollout"
+REWARD_NODE = "reward_score"
+REF_NODE = "ref_logprob"
+ADVANTAGE_NODE = "advantage"   # critic-free estimators (GRPO, RLOO, REINFORCE++)
+CRITIC_NODE = "critic"         # GAE: the critic computes values and advantages
+ACTOR_NODE = "actor_update"
 POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
 
 
@@ -85,7 +92,7 @@ class RolloutNode:
         tokenizer (``hpc_verl.data.prompt_tokenizer``); one line where they differ."""
         from hpc_verl.data.prompt_tokenizer import check_prompt_ids
 
-        return check_prompt_ids(self.worker.tokenizer, samples, chat_template, "actor_rollout")
+        return check_prompt_ids(self.worker.tokenizer, samples, chat_template, ROLLOUT_NODE)
 
     def process(self, shard: dict) -> dict:
         from hpc_verl.trainer.engine.logprobs import can_share_prompts, response_log_probs
@@ -127,10 +134,10 @@ class RolloutNode:
 
 class RewardNode:
     def __init__(self, cfg: dict) -> None:
-        from hpc_verl.trainer.roles import workers as W
+        from hpc_verl.trainer.roles.reward import RewardWorker   # torch: only in the rank that builds it
         if cfg["reward_model"]["enable"]:   # rule rewards score the rollout's text: no transformers import
             quiet_transformers()
-        self.worker = W.RewardWorker(cfg)
+        self.worker = RewardWorker(cfg)
 
     def process(self, batch: dict) -> dict:
         return self.worker.score(batch)
@@ -165,9 +172,9 @@ class RefNode(_Ulysses):
     preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict) -> None:
-        from hpc_verl.trainer.roles import workers as W
+        from hpc_verl.trainer.roles.ref import RefWorker   # torch: only in the rank that builds it
         quiet_transformers()
-        self.worker = W.RefWorker(cfg)
+        self.worker = RefWorker(cfg)
 
     def process(self, batch: dict) -> dict:
         return self.worker.compute_ref_log_prob(batch)
@@ -220,9 +227,9 @@ class AdvantageNode(_AdvantageMixin):
 
     def process(self, joined: dict) -> dict:
         from hpc_verl.trainer import core_algos as A
-        batch = joined["actor_rollout"]
-        scores = joined["reward_score"]["scores"]
-        ref = joined.get("ref_logprob")
+        batch = joined[ROLLOUT_NODE]
+        scores = joined[REWARD_NODE]["scores"]
+        ref = joined.get(REF_NODE)
         rewards, metrics = self._token_rewards(batch, scores, ref)
         algo = self.cfg["algorithm"]
         adv = A.outcome_advantages(algo["adv_estimator"], rewards, batch["response_mask"], batch["uid"],
@@ -245,10 +252,10 @@ class CriticNode(_AdvantageMixin, _Ulysses):
     preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
-        from hpc_verl.trainer.roles import workers as W
+        from hpc_verl.trainer.roles.critic import CriticWorker   # torch: only in the rank that builds it
         quiet_transformers()
         self._init_kl(cfg)
-        self.worker = W.CriticWorker(cfg, total_steps)
+        self.worker = CriticWorker(cfg, total_steps)
 
     def timings(self) -> dict[str, float]:
         """This rank's phase times of its last value update (the dashboard's per-rank table)."""
@@ -256,9 +263,9 @@ class CriticNode(_AdvantageMixin, _Ulysses):
 
     def process(self, joined: dict) -> dict:
         from hpc_verl.trainer import core_algos as A
-        batch = dict(joined["actor_rollout"])
-        scores = joined["reward_score"]["scores"]
-        ref = joined.get("ref_logprob")
+        batch = dict(joined[ROLLOUT_NODE])
+        scores = joined[REWARD_NODE]["scores"]
+        ref = joined.get(REF_NODE)
         values, _ = self.worker.compute_values(batch)
         batch.update(values)
         rewards, metrics = self._token_rewards(batch, scores, ref)
@@ -301,9 +308,9 @@ class ActorNode(_Ulysses):
     preload = staticmethod(preload_model_stack)
 
     def __init__(self, cfg: dict, total_steps: int = 0) -> None:
-        from hpc_verl.trainer.roles import workers as W
+        from hpc_verl.trainer.roles.actor import ActorWorker   # torch: only in the rank that builds it
         quiet_transformers()
-        self.worker = W.ActorWorker(cfg, total_steps)
+        self.worker = ActorWorker(cfg, total_steps)
         self.cfg = cfg
         # one-step-off-policy: each version's weights frozen after its update (rank 0), so the
         # broadcast of version v can run while version v+1 trains
@@ -316,8 +323,8 @@ class ActorNode(_Ulysses):
 
     def process(self, joined: dict) -> dict:
         import torch
-        batch = dict(joined["actor_rollout"])
-        adv_src = joined.get("critic") or joined.get("advantage")
+        batch = dict(joined[ROLLOUT_NODE])
+        adv_src = joined.get(CRITIC_NODE) or joined.get(ADVANTAGE_NODE)
         # the rows this rank fetched (its take_rows: the ones it trains on), or the whole batch
         mask = adv_src.get("response_mask", batch["response_mask"])
         rows = _context().row_ids
