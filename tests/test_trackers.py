@@ -132,8 +132,8 @@ def test_unknown_or_missing_logger_is_one_line_before_training(cli, tiny_model, 
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     # a backend whose package is absent (here: mlflow pointed at a module that does not exist)
     from hpc_verl.errors import ConfigError
-    from hpc_verl.trainer.observe import trackers
-    monkeypatch.setitem(trackers.NEEDS, "mlflow", ("no_such_mlflow_module", "mlflow"))
+    from hpc_verl.trainer.config import environment
+    monkeypatch.setitem(environment.NEEDS, "mlflow", ("no_such_mlflow_module", "mlflow"))
     with pytest.raises(ConfigError, match=r"'mlflow' needs the 'no_such_mlflow_module' package.*hpc_verl\[mlflow\]"):
-        trackers.check_loggers(["console", "mlflow"])
-    assert trackers.check_loggers("console") == ["console"]
+        environment.check_loggers(["console", "mlflow"])
+    assert environment.check_loggers("console") == ["console"]

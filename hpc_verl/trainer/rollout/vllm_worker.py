@@ -37,8 +37,9 @@ from typing import Any, Iterable, Iterator
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer.engine.logprobs import compute_dtype, load_tokenizer, torch_mod
 from hpc_verl.trainer.rollout.hf import RolloutWorker, StalePolicyError
-from hpc_verl.trainer.rollout.vllm_engine import (EXTENSION, SLEEP_LEVEL, VLLMUnavailable, WeightSyncExtension,
-                                          check_vllm_install, describe_error, platform_engine_kwargs)
+from hpc_verl.trainer.config.environment import VLLMUnavailable, check_vllm_install
+from hpc_verl.trainer.rollout.vllm_engine import (EXTENSION, SLEEP_LEVEL, WeightSyncExtension, describe_error,
+                                                  platform_engine_kwargs)
 
 __all__ = ["VLLMRolloutWorker", "VLLMUnavailable", "WeightSyncExtension", "StalePolicyError", "HpcVerlError"]
 _PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
