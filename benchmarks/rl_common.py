@@ -42,7 +42,7 @@ def make_assets(root: Path, hidden: int, layers: int, heads: int, n_prompts: int
     import transformers
 
     from hpc_verl.data.preprocess import preprocess_digits
-    from hpc_verl.trainer.models.check import make_tiny_model
+    from hpc_verl.trainer.models.tiny import make_tiny_model
 
     transformers.utils.logging.disable_progress_bar()  # (its shard-writing bar, once per benchmark)
     model = make_tiny_model(root / "model", hidden_size=hidden, num_layers=layers, num_heads=heads)

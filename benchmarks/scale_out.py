@@ -102,7 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _model(root: Path, hidden: int, layers: int) -> Path:
-    from hpc_verl.trainer.models.check import make_tiny_model, quiet_transformers
+    from hpc_verl.trainer.models.check import quiet_transformers
+    from hpc_verl.trainer.models.tiny import make_tiny_model
     quiet_transformers()
     out = root / f"model-h{hidden}-l{layers}"
     if not out.exists():

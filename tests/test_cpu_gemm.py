@@ -60,7 +60,7 @@ def test_only_plain_float32_cpu_tensors_take_onednn(monkeypatch):
 
 
 def test_a_llama_gives_the_same_logits_and_the_same_adamw_step(tiny_model):  # noqa: F811
-    from hpc_verl.trainer.engine.logprobs import load_causal_lm
+    from hpc_verl.trainer.engine.device import load_causal_lm
 
     ref = load_causal_lm(str(tiny_model), "cpu")
     ours = copy.deepcopy(ref)

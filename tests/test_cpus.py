@@ -105,7 +105,7 @@ def test_pin_cpus_puts_every_thread_of_a_rank_on_its_core():
             load_config(None, [f"hpc_verl.pin_cpus={bad}"])
     # in a fresh process with a second thread already running: both end on the one CPU
     code = ("import os, threading, time, sys\n"
-            "from hpc_verl.trainer.engine.logprobs import setup_threads\n"
+            "from hpc_verl.trainer.engine.device import setup_threads\n"
             "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"
             "cpu = max(os.sched_getaffinity(0))\n"
             "setup_threads({'hpc_verl': {'pin_cpus': [cpu]}})\n"

@@ -52,7 +52,7 @@ def test_no_cuda_here_is_one_line(tmp_path: Path) -> None:
 def test_the_model_is_qwen2_0_5b_shaped() -> None:
     pytest.importorskip("transformers")
     from hpc_verl.ops import gpu_check as G
-    from hpc_verl.trainer.models.check import build_char_tokenizer
+    from hpc_verl.trainer.models.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer()
     cfg = G.model_config("0.5b", tok)

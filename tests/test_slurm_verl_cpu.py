@@ -43,7 +43,7 @@ def _until(what: str, cond, run_dir: str, timeout_s: float = 300) -> None:
 
 def test_real_verl_saves_before_the_limit_requeues_and_resumes(slurm_testbed, tmp_path):
     from hpc_verl.launch.backends import slurm
-    from hpc_verl.trainer.models.check import make_tiny_model
+    from hpc_verl.trainer.models.tiny import make_tiny_model
 
     bed = slurm_testbed
     model = make_tiny_model(tmp_path / "tiny")

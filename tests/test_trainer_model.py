@@ -17,7 +17,8 @@ def test_make_tiny_model_and_check_model_cli(cli, tmp_path):
     assert json.loads((out / "config.json").read_text())["hidden_size"] == 32
     res = cli("check-model", str(out))
     assert res.returncode == 0 and "chat template: yes" in res.stdout, res.stderr
-    from hpc_verl.trainer.models.check import ModelError, make_tiny_model
+    from hpc_verl.trainer.models.check import ModelError
+    from hpc_verl.trainer.models.tiny import make_tiny_model
     with pytest.raises(ModelError, match="--overwrite"):  # never over an existing model
         make_tiny_model(out)
     (out / "tokenizer.json").write_text("{broken")

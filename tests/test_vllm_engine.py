@@ -53,7 +53,7 @@ def _actor_log_prob_gap(actor, out: dict) -> float:
 
 
 def test_weight_sync_splitting_fused_layers_gives_the_actors_log_probs(engine, tiny_model) -> None:
-    from hpc_verl.trainer.engine.logprobs import load_causal_lm
+    from hpc_verl.trainer.engine.device import load_causal_lm
     from hpc_verl.trainer.rollout.vllm_worker import buckets
     actor = load_causal_lm(str(tiny_model), "cpu", "float32")
     assert actor.config.tie_word_embeddings    # the LM head shares the embedding: its packed copy must follow

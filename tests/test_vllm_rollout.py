@@ -168,7 +168,7 @@ def _worker(tiny_model, *extra: str, tp: int = 1):
     holder = {}
 
     def factory(kwargs, cfg):   # a platform with sleep mode (a GPU's): free_cache_engine decides
-        from hpc_verl.trainer.engine.logprobs import load_tokenizer
+        from hpc_verl.trainer.engine.device import load_tokenizer
         from hpc_verl.trainer.rollout.vllm_engine import wants_sleep_mode
         holder["llm"] = FakeLLM(kwargs, engine_model, load_tokenizer(str(tiny_model)).eos_token_id)
         return holder["llm"], wants_sleep_mode(cfg["actor_rollout_ref"]["rollout"], platform_has_sleep=True)

@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
-    from hpc_verl.trainer.models.check import make_tiny_model
+    from hpc_verl.trainer.models.tiny import make_tiny_model
     from hpc_verl.trainer.models.check import quiet_transformers
     quiet_transformers()
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny", hidden_size=64, num_layers=2, num_heads=2)

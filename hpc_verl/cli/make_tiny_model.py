@@ -21,7 +21,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.hidden_size <= 0 or args.layers <= 0 or args.heads <= 0 or args.hidden_size % args.heads:
         raise ConfigError(f"--hidden-size ({args.hidden_size}) must be a positive multiple of --heads ({args.heads}), "
                           "and --layers positive")
-    from hpc_verl.trainer.models.check import make_tiny_model
+    from hpc_verl.trainer.models.tiny import make_tiny_model
     from hpc_verl.trainer.models.check import quiet_transformers
     quiet_transformers()
     out = make_tiny_model(args.out_dir, hidden_size=args.hidden_size, num_layers=args.layers,

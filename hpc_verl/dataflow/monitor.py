@@ -2,32 +2,64 @@
 adaptive backpressure controller and the status snapshot (``get_status``) that
 the monitor thread publishes for the dashboard.
 
-It only reads the pool's, router's and board's tables (under their lock) and
-asks the scheduler to act (``adjust_parallelism``) when a queue stays long.
+It only reads the pool's, router's and board's tables (under their lock, all handed to it
+as ``Tables``) and asks the scheduler to act through the few members of ``SchedulerView``
+(``adjust_parallelism`` when a queue stays long); it never imports the scheduler.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from hpc_verl.dataflow.scheduler import HybridScheduler
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 log = logging.getLogger("hpc_verl.dataflow")
 
 
+@dataclass(frozen=True)
+class Tables:
+    """What the monitor reads: the graph and the scheduler's parts, shared under ``lock``."""
+
+    graph: Any
+    pool: Any
+    router: Any
+    board: Any
+    lock: Any
+    edge_stats: dict[str, dict[str, Any]]
+
+
+class SchedulerView(Protocol):
+    """What the monitor asks of its scheduler (HybridScheduler provides it)."""
+
+    decisions: list[str]
+
+    @property
+    def started(self) -> bool: ...
+
+    @property
+    def cluster_total(self) -> list[Any]: ...
+
+    @property
+    def hub(self) -> Any: ...
+
+    def decide(self, line: str) -> None: ...
+
+    def adjust_parallelism(self, node_name: str, target_parallelism: int, reason: str = ...) -> int: ...
+
+    def ulysses_on(self, node_name: str) -> bool | None: ...
+
+
 class Monitor:
-    def __init__(self, sched: "HybridScheduler", backpressure: bool, backpressure_window_s: float,
+    def __init__(self, sched: SchedulerView, tables: Tables, backpressure: bool, backpressure_window_s: float,
                  monitor_interval_s: float, stats_interval_s: float, status_file: str | None) -> None:
         self.sched = sched
-        self.graph = sched.graph
-        self.pool = sched.pool
-        self.router = sched.router
-        self.board = sched.board
-        self.lock = sched.lock
-        self.edge_stats = sched.edge_stats
+        self.graph = tables.graph
+        self.pool = tables.pool
+        self.router = tables.router
+        self.board = tables.board
+        self.lock = tables.lock
+        self.edge_stats = tables.edge_stats
         self.backpressure = backpressure
         self.backpressure_window_s = backpressure_window_s
         self.monitor_interval_s = monitor_interval_s

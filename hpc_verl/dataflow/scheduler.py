@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 from hpc_verl.dataflow.board import ControlBoard
 from hpc_verl.dataflow.distgroup import DEFAULT_BUCKET_BYTES
 from hpc_verl.dataflow.graph import DataflowGraph, Edge
-from hpc_verl.dataflow.monitor import Monitor
+from hpc_verl.dataflow.monitor import Monitor, Tables
 from hpc_verl.dataflow.placement import ClusterNode, PlacementPlan, make_plan, place_group
 from hpc_verl.dataflow.pool import Instance, InstancePool
 from hpc_verl.dataflow.router import Router
@@ -59,8 +59,9 @@ class HybridScheduler:
         self.pool = InstancePool(graph, self._tag, start_timeout_s, self.lock, self._decide)
         self.board = ControlBoard(graph, self.pool, self.lock, self._decide, bucket_bytes)
         self.router = Router(graph, self.pool, self.board, self.lock, self.edge_stats)
-        self.monitor = Monitor(self, backpressure, backpressure_window_s, monitor_interval_s, stats_interval_s,
-                               status_file)
+        tables = Tables(graph, self.pool, self.router, self.board, self.lock, self.edge_stats)
+        self.monitor = Monitor(self, tables, backpressure, backpressure_window_s, monitor_interval_s,
+                               stats_interval_s, status_file)
 
     @property
     def window(self) -> int:

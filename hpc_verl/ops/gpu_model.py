@@ -50,7 +50,7 @@ def build_model(out_dir: Path, size: str, seed: int = 0) -> tuple[Path, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hpc_verl.trainer.models.check import build_char_tokenizer
+    from hpc_verl.trainer.models.tiny import build_char_tokenizer
     tok = build_char_tokenizer()
     config = model_config(size, tok)
     torch.manual_seed(seed)

@@ -253,7 +253,7 @@ class Suite:
     def check_ulysses_sp1(self) -> dict:
         """SP=1 (no group) through the Ulysses attention equals transformers' sdpa, in float32."""
         from hpc_verl.trainer.engine import ulysses
-        from hpc_verl.trainer.engine.logprobs import load_causal_lm
+        from hpc_verl.trainer.engine.device import load_causal_lm
         self._reset_peak()
         ref = load_causal_lm(str(self._need_model()), self.device, "float32")
         b = _padded_batch(self._torch(), rows=4, seq=min(64, self.work["prompt"] + self.work["response"]),

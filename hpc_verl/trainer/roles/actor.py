@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Any
 
 from hpc_verl.trainer import core_algos as A
-from hpc_verl.trainer.engine.logprobs import (can_share_prompts, cpu_linears, load_causal_lm, pick_device,
-                                              setup_threads, torch_mod)
+from hpc_verl.trainer.engine.logprobs import can_share_prompts
+from hpc_verl.trainer.engine.device import cpu_linears, load_causal_lm, pick_device, setup_threads, torch_mod
 from hpc_verl.trainer.engine.parallel import Parallel
 from hpc_verl.trainer.roles.base import TrainableRole
 from hpc_verl.trainer.roles.minibatch import ACTOR_SEED_OFFSET, update_generator

@@ -25,8 +25,8 @@ from typing import Any, Callable
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer import core_algos as A
 from hpc_verl.trainer.engine import ulysses
-from hpc_verl.trainer.engine.logprobs import (chunks,
-                                              response_log_probs, sub_batch, torch_mod)
+from hpc_verl.trainer.engine.logprobs import chunks, response_log_probs, sub_batch
+from hpc_verl.trainer.engine.device import torch_mod
 from hpc_verl.trainer.engine.parallel import Parallel, TrainModel, full_tensors, offload_optimizer
 from hpc_verl.trainer.engine.sharded import load_sharded, save_sharded
 from hpc_verl.trainer.roles.minibatch import minibatches

@@ -5,7 +5,7 @@ from typing import Any
 
 from hpc_verl.trainer import core_algos as A
 from hpc_verl.trainer.engine import ulysses
-from hpc_verl.trainer.engine.logprobs import cpu_linears, pick_device, setup_threads, torch_mod
+from hpc_verl.trainer.engine.device import cpu_linears, pick_device, setup_threads, torch_mod
 from hpc_verl.trainer.engine.parallel import Parallel
 from hpc_verl.trainer.roles.base import TrainableRole
 from hpc_verl.trainer.roles.minibatch import update_generator

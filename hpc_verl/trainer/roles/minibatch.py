@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_verl.trainer.engine.logprobs import torch_mod
+from hpc_verl.trainer.engine.device import torch_mod
 
 
 ACTOR_SEED_OFFSET = 101   # the actor's shuffle seed: trainer.seed + this

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpc_verl.trainer.engine.logprobs import can_share_prompts, cpu_linears, load_causal_lm, pick_device, setup_threads
+from hpc_verl.trainer.engine.logprobs import can_share_prompts
+from hpc_verl.trainer.engine.device import cpu_linears, load_causal_lm, pick_device, setup_threads
 from hpc_verl.trainer.engine.parallel import Parallel, shard_model, shards
 from hpc_verl.trainer.roles.base import SequenceParallelRole, rank_counts
 

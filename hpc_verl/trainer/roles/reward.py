@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from hpc_verl.errors import HpcVerlError
-from hpc_verl.trainer.engine.logprobs import chunks, pick_device, setup_threads, torch_mod
+from hpc_verl.trainer.engine.logprobs import chunks
+from hpc_verl.trainer.engine.device import pick_device, setup_threads, torch_mod
 from hpc_verl.trainer.roles.rewards import RuleReward
 
 

@@ -16,7 +16,8 @@ from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer import core_algos as A
 from hpc_verl.trainer.rollout import prompt_attention as P
 from hpc_verl.trainer.engine.kvcache import expand_rows, preallocated_cache
-from hpc_verl.trainer.engine.logprobs import cpu_linears, load_causal_lm, load_tokenizer, pick_device, setup_threads, torch_mod
+from hpc_verl.trainer.engine.device import (cpu_linears, load_causal_lm, load_tokenizer, pick_device, setup_threads,
+                                            torch_mod)
 from hpc_verl.trainer.engine.parallel import load_named
 
 

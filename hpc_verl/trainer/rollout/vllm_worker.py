@@ -35,7 +35,7 @@ import os
 from typing import Any, Iterable, Iterator
 
 from hpc_verl.errors import HpcVerlError
-from hpc_verl.trainer.engine.logprobs import compute_dtype, load_tokenizer, torch_mod
+from hpc_verl.trainer.engine.device import compute_dtype, load_tokenizer, torch_mod
 from hpc_verl.trainer.rollout.hf import RolloutWorker, StalePolicyError
 from hpc_verl.trainer.config.environment import VLLMUnavailable, check_vllm_install
 from hpc_verl.trainer.rollout.vllm_engine import (EXTENSION, SLEEP_LEVEL, WeightSyncExtension, describe_error,
