@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc_verl.trainer.config.schema import load_config, to_yaml
+    from hpc_verl.trainer.config.schema import load_config, to_yaml  # lazy: the CLI imports this module for its parser
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     # (--dry-run plans trainer.nnodes x n_gpus_per_node devices without running: it shows, not refuses)
     ranks_line = check_cpu_ranks(cfg, refuse=not args.dry_run)
     if args.dry_run:
-        from hpc_verl.trainer.driver.ppo_graph import describe_placement
+        from hpc_verl.trainer.driver.ppo_graph import describe_placement  # lazy: CLI parser
         print(describe_placement(cfg))
         if ranks_line:
             print(ranks_line)
@@ -51,19 +51,19 @@ def run(args: argparse.Namespace) -> int:
     if args.check:  # the full offline model check (config and tokenizer load), then the trainer's own
         if ranks_line:
             print(ranks_line)
-        from hpc_verl.trainer.config.schema import validate_for_run
-        from hpc_verl.trainer.models.check import check_model
-        from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
+        from hpc_verl.trainer.config.schema import validate_for_run  # lazy: the CLI imports this module for its parser
+        from hpc_verl.trainer.models.check import check_model  # lazy: the CLI imports this module for its parser
+        from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer  # lazy: the CLI imports this module for its parser
         validate_for_run(cfg)
         check_model(cfg.actor_rollout_ref.model.path)
         trainer = PPOTrainer(cfg, progress=False)
         print(f"ok: {len(trainer.dataset)} prompts, {trainer.total_steps} steps, run dir {trainer.run_dir}")
         return 0
     _setup_logging()
-    from hpc_verl.trainer.config.schema import validate_for_run
-    from hpc_verl.trainer.driver.ray_runner import DataflowRunner
-    from hpc_verl.trainer.models.check import check_model_dir
-    from hpc_verl.util.fs import ensure_writable_dir
+    from hpc_verl.trainer.config.schema import validate_for_run  # lazy: the CLI imports this module for its parser
+    from hpc_verl.trainer.driver.ray_runner import DataflowRunner  # lazy: the CLI imports this module for its parser
+    from hpc_verl.trainer.models.check import check_model_dir  # lazy: the CLI imports this module for its parser
+    from hpc_verl.util.fs import ensure_writable_dir  # lazy: the CLI imports this module for its parser
 
     validate_for_run(cfg)   # what can be refused at once is refused before Ray starts
     check_model_dir(cfg.actor_rollout_ref.model.path)
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     runner = DataflowRunner()
     runner.begin(cfg.to_dict())   # Ray comes up while this process loads torch, the tokenizer and the data
     try:
-        from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer
+        from hpc_verl.trainer.driver.ppo_trainer import PPOTrainer  # lazy: the CLI imports this module for its parser
         trainer = PPOTrainer(cfg, runner=runner, progress=False if args.no_progress else None)
     except BaseException:
         runner.shutdown()
@@ -83,8 +83,8 @@ def check_cpu_ranks(cfg: Any, refuse: bool = True) -> str | None:
     """With trainer.device=cpu: the ranks per node against this node's usable CPUs, as one line
     (None on GPUs). More ranks than CPUs is refused, or with hpc_verl.allow_cpu_oversubscribe=true
     warned about once."""
-    from hpc_verl.errors import ConfigError
-    from hpc_verl.util import cpus as cpu_util
+    from hpc_verl.errors import ConfigError  # lazy: the CLI imports this module for its parser
+    from hpc_verl.util import cpus as cpu_util  # lazy: the CLI imports this module for its parser
 
     t = cfg["trainer"]
     if t["device"] != "cpu":

@@ -60,8 +60,8 @@ def build_ppo_graph(cfg: Mapping, total_steps: int, name: str = "ppo") -> Any:
             adv = Node(N.ADVANTAGE_NODE, N.AdvantageNode, init_args=(cfg,), max_parallelism=1,
                        host=light_host("actor"))
         else:
-            adv = Node(N.CRITIC_NODE, N.CriticNode, group=group("critic"), dispatch="spmd", init_args=(cfg, total_steps),
-                       ulysses=_sp(cfg, "critic") > 1)
+            adv = Node(N.CRITIC_NODE, N.CriticNode, group=group("critic"), dispatch="spmd",
+                       init_args=(cfg, total_steps), ulysses=_sp(cfg, "critic") > 1)
         # each rank fetches only the rollout rows it trains on (the rollout cuts them out)
         actor = Node(N.ACTOR_NODE, N.ActorNode, group=group("actor"), dispatch="spmd",
                      init_args=(cfg, total_steps), ulysses=_sp(cfg, "actor") > 1,

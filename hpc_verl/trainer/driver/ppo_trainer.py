@@ -26,6 +26,12 @@ from hpc_verl.trainer.config.schema import Section, to_yaml, validate_for_run
 from hpc_verl.trainer.driver.ppo_graph import adv_node_name
 from hpc_verl.trainer.observe.metrics import MetricsLog, StepProgress, summary_table
 from hpc_verl.trainer.roles.nodes import ACTOR_NODE, ADVANTAGE_NODE, CRITIC_NODE, ROLLOUT_NODE
+from hpc_verl.data.dataset import ResumableSampler, RLDataset
+from hpc_verl.trainer.models.check import check_model_files, load_driver_tokenizer
+from hpc_verl.data.prompt_tokenizer import PromptTokenizer, probe_samples
+from hpc_verl.util.fs import atomic_write_text
+from hpc_verl.trainer.driver.ray_runner import DataflowRunner
+from hpc_verl.trainer.observe.trackers import Tracking
 
 log = logging.getLogger("hpc_verl.trainer")
 
@@ -58,9 +64,6 @@ class PPOTrainer:
     def __init__(self, cfg: Section, runner: Runner | None = None, progress: bool | None = None) -> None:
         # no torch here: the driver only tokenises the data set (its ranks import torch, and at
         # start-up they, Ray's daemons and this process share the node's cores)
-        from hpc_verl.data.dataset import ResumableSampler, RLDataset
-        from hpc_verl.trainer.models.check import check_model_files, load_driver_tokenizer
-
         validate_for_run(cfg)
         self.cfg = cfg
         self.run_dir = Path(os.path.expanduser(cfg.hpc_verl.run_dir))
@@ -142,8 +145,6 @@ class PPOTrainer:
 
     def _check_prompt_tokenizer(self) -> None:
         """The driver's torch-free tokenizer against the rollout's transformers one, on the first prompts."""
-        from hpc_verl.data.prompt_tokenizer import PromptTokenizer, probe_samples
-
         if isinstance(self.tokenizer, PromptTokenizer):
             samples = probe_samples(self.tokenizer, [s.raw_prompt for s in self.dataset.samples])
             self.runner.call(ROLLOUT_NODE, "check_prompt_ids", samples,
@@ -273,9 +274,7 @@ class PPOTrainer:
     def fit(self) -> int:
         """Train to ``total_steps``; 0 when done, REQUEUE_EXIT_CODE after a preemption checkpoint."""
         if self.runner is None:
-            from hpc_verl.trainer.driver.ray_runner import DataflowRunner
             self.runner = DataflowRunner()
-        from hpc_verl.util.fs import atomic_write_text
         atomic_write_text(self.run_dir / "config.yaml", to_yaml(self.cfg))
         self.preempt.install()
         progress = None
@@ -289,7 +288,6 @@ class PPOTrainer:
                 self._restore(resume)
             self.start_step = self.step
             metrics_log = MetricsLog(self.run_dir, resume_step=self.step)
-            from hpc_verl.trainer.observe.trackers import Tracking
             tracking = Tracking(self.loggers, self.run_dir, self.cfg, resume_step=self.step,
                                 progress_bar=self.progress_enabled)
             progress = StepProgress(self.total_steps, self.step, self.progress_enabled)

@@ -8,6 +8,7 @@ from typing import Any
 
 from hpc_verl.errors import ConfigError
 from hpc_verl.trainer.models.check import ModelError
+from hpc_verl.dataflow import current_context
 
 
 def torch_mod() -> Any:
@@ -40,7 +41,6 @@ def setup_threads(cfg: dict) -> None:
 
 def _rank() -> int:
     try:
-        from hpc_verl.dataflow import current_context
         return int(current_context().rank)
     except Exception:  # noqa: BLE001 - outside a worker group: one rank
         return 0
@@ -61,7 +61,7 @@ def pin_process(cpu: int) -> None:
 
 def cpu_linears(cfg: dict, model: Any) -> int:
     """``hpc_verl.cpu_matmul``: a CPU model's float32 linear layers on oneDNN (``cpu_gemm``); how many."""
-    from hpc_verl.trainer.engine import cpu_gemm
+    from hpc_verl.trainer.engine import cpu_gemm   # torch at its top: only where a role asks for it
 
     return cpu_gemm.install(model, cfg["hpc_verl"]["cpu_matmul"])   # (layers on a GPU are left as they are)
 

@@ -7,6 +7,7 @@ from typing import Any, Iterator
 from hpc_verl.trainer import core_algos as A
 from hpc_verl.trainer.engine.device import torch_mod
 from hpc_verl.trainer.engine.kvcache import expand_rows
+import inspect
 
 
 def chunks(n: int, size: int | None) -> Iterator[slice]:
@@ -59,8 +60,6 @@ def can_share_prompts(model: Any) -> bool:
     causal LM that takes a cache and ``logits_to_keep`` (transformers' own), FSDP2-sharded or not
     (its per-layer reduce-scatter runs once per pass through a layer: linear, so the same gradient).
     A DDP wrapper is not one: it must see one forward per backward (``TrainModel.run``)."""
-    import inspect
-
     if not hasattr(model, "config") or not hasattr(model, "forward"):
         return False
     params = inspect.signature(model.forward).parameters

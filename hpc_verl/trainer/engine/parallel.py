@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from hpc_verl.trainer.engine.phase_timing import CommTimer, PhaseClock, timed_reduce_scatter
+from hpc_verl.dataflow import current_context
+from hpc_verl.errors import HpcVerlError
 
 STRATEGIES = ("ddp", "fsdp", "fsdp2")   # fsdp is FSDP2 (fully_shard) here
 
@@ -35,7 +37,6 @@ class Parallel:
     def current(cls, device: str) -> "Parallel":
         """From the dataflow context when running in a worker group, else a single rank."""
         try:
-            from hpc_verl.dataflow import current_context
             ctx = current_context()
         except Exception:  # noqa: BLE001 - outside the dataflow (tests, tools)
             return cls(device=device)
@@ -47,7 +48,6 @@ class Parallel:
         if sp <= 1:
             return Parallel(self.rank, self.world, self.group, self.device)
         if self.world % sp:
-            from hpc_verl.errors import HpcVerlError
             raise HpcVerlError(f"ulysses_sequence_parallel_size={sp} does not divide the {self.world} ranks")
         key = (self.world, sp)
         if key not in _SP_GROUPS:
@@ -74,7 +74,6 @@ class Parallel:
     def rows(self, n: int) -> tuple[int, int]:
         """This data-parallel rank's contiguous share of ``n`` rows (``n`` divisible by them)."""
         if n % self.dp_world:
-            from hpc_verl.errors import HpcVerlError
             raise HpcVerlError(f"{n} rows do not split evenly over {self.dp_world} data-parallel ranks; make the "
                                f"batch (data.train_batch_size x rollout.n) a multiple of {self.dp_world}")
         per = n // self.dp_world

@@ -13,6 +13,7 @@ from typing import Any
 
 from hpc_verl.trainer.engine.parallel import Parallel
 from hpc_verl.errors import CheckpointError
+import tempfile
 
 
 def save_sharded(path: str, module: Any, optimizer: Any, extra: dict, par: Parallel) -> None:
@@ -48,8 +49,6 @@ def read_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A sharded part (e.g. ``global_step_N/actor``) as one full state dict in this process:
     ``{"model": {name: tensor}, "optim": {...}}``, whatever world size wrote it (tools, tests,
     export)."""
-    import tempfile
-
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_verl.errors import HpcVerlError
+from hpc_verl.trainer import core_algos as A
+import copy
+from hpc_verl.trainer.engine.logprobs import response_log_probs as unsplit_log_probs
 
 ATTN_IMPLEMENTATION = "hpc_verl_ulysses"
 _GROUP_ATTR = "_hpc_verl_sp_group"
@@ -301,7 +304,6 @@ def response_log_probs(model: Any, batch: dict, temperature: float = 1.0, with_e
     this rank's chunk against the labels of its chunk, gathered into the response columns."""
     import torch
 
-    from hpc_verl.trainer import core_algos as A
     dev = device if device is not None else next(model.parameters()).device
     ids = batch["input_ids"].to(dev)
     out, sb = forward(model, ids, batch["attention_mask"].to(dev), batch["position_ids"].to(dev), group)
@@ -335,11 +337,8 @@ def compare_with_unsplit(ref: Any, batch: dict, group: Any, temperature: float =
     log-probs, of the parameter gradients of one loss (summed over the SP ranks), and of the copy
     switched back to unsplit. ``batch``: input_ids, attention_mask, position_ids, responses,
     weights (per response token, the loss's)."""
-    import copy
-
     import torch
 
-    from hpc_verl.trainer.engine.logprobs import response_log_probs as unsplit_log_probs
     sp = enable(copy.deepcopy(ref), group)
     dev = next(ref.parameters()).device
     b = {k: v.to(dev) for k, v in batch.items()}

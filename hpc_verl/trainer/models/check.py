@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_verl.errors import HpcVerlError
+from hpc_verl.data.prompt_tokenizer import load_prompt_tokenizer
 
 
 class ModelError(HpcVerlError):
@@ -71,8 +72,6 @@ def load_driver_tokenizer(path: str | os.PathLike[str], chat_template: str | Non
                           trust_remote_code: bool = False) -> Any:
     """The tokenizer the driver encodes prompts with (``hpc_verl.data.prompt_tokenizer``; with
     ``fast=False`` transformers' AutoTokenizer); one ModelError line when it does not load."""
-    from hpc_verl.data.prompt_tokenizer import load_prompt_tokenizer
-
     quiet_transformers(import_now=False)
     try:
         if fast:

@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.util.fs import atomic_target
+from hpc_verl.util.fs import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
@@ -28,7 +29,6 @@ class MetricsLog:
         if resume_step and self.path.exists():
             # drop steps after the checkpoint we resume from: they will be recomputed
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            from hpc_verl.util.fs import atomic_write_text
             atomic_write_text(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
         elif not resume_step and self.path.exists():
             self.path.unlink()

@@ -27,6 +27,7 @@ import sys
 import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+from hpc_verl.util.fs import atomic_write_text
 
 
 log = logging.getLogger("hpc_verl.trainer")
@@ -64,7 +65,6 @@ def _run_id(path: Path, make: Any) -> str:
     if path.is_file():
         return path.read_text().strip()
     rid = make()
-    from hpc_verl.util.fs import atomic_write_text
     atomic_write_text(path, rid + "\n")
     return rid
 
@@ -105,7 +105,6 @@ class _Mlflow:
             self.run = mlflow.start_run(run_id=id_file.read_text().strip())
         else:
             self.run = mlflow.start_run(run_name=t["experiment_name"])
-            from hpc_verl.util.fs import atomic_write_text
             atomic_write_text(id_file, self.run.info.run_id + "\n")
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -24,6 +24,15 @@ from typing import Any
 from hpc_verl.dataflow.context import SNAPSHOT, TENSORS
 from hpc_verl.trainer.models.check import quiet_transformers
 from hpc_verl.trainer.rollout import make_rollout_worker
+from hpc_verl.dataflow import current_context
+from hpc_verl.trainer.config.schema import check_batch_arithmetic
+from hpc_verl.data.prompt_tokenizer import check_prompt_ids
+from hpc_verl.trainer.engine.logprobs import can_share_prompts, response_log_probs
+import copy
+from hpc_verl.trainer.config.schema import batch_problems_for
+from hpc_verl.trainer import core_algos as A
+import os
+from hpc_verl.errors import ConfigError
 
 # core_algos' maths, the role workers, the rollouts and engine/ import torch: each method imports what it
 # uses, so the driver, which imports this module for the node classes only (to build the graph), never does
@@ -39,7 +48,6 @@ POLICY_EDGE = "policy"  # data_type of the actor -> rollout control edge
 
 
 def _context() -> Any:
-    from hpc_verl.dataflow import current_context
     return current_context()
 
 
@@ -73,7 +81,6 @@ class RolloutNode:
         self.sync_s = 0.0
         if getattr(self.worker, "model", None) is None:   # vLLM: no model here to recompute with
             if self.need_log_prob and not getattr(self.worker, "log_probs_exact", False):
-                from hpc_verl.errors import ConfigError
                 raise ConfigError("algorithm.use_kl_in_reward with rollout.name=vllm takes the sampler's log-probs, "
                                   "which equal the policy's only without top-k/top-p filtering; set "
                                   "actor_rollout_ref.rollout.top_k=-1 and top_p=1.0")
@@ -82,12 +89,9 @@ class RolloutNode:
     def check_prompt_ids(self, samples: list, chat_template: str | None) -> int:
         """The driver's prompts, rendered and encoded again by this rollout's transformers
         tokenizer (``hpc_verl.data.prompt_tokenizer``); one line where they differ."""
-        from hpc_verl.data.prompt_tokenizer import check_prompt_ids
-
         return check_prompt_ids(self.worker.tokenizer, samples, chat_template, ROLLOUT_NODE)
 
     def process(self, shard: dict) -> dict:
-        from hpc_verl.trainer.engine.logprobs import can_share_prompts, response_log_probs
         ctx = _context()
         first_row = ctx.shard_rows[0] if ctx.shard_rows else 0
         out = self.worker.generate(shard, required_version=shard.get("required_version"), first_row=first_row)
@@ -146,9 +150,6 @@ class _Ulysses:
 
     def check_ulysses_off(self) -> str | None:
         """Why the batches could not be split over all ranks without Ulysses (None: they can)."""
-        import copy
-
-        from hpc_verl.trainer.config.schema import batch_problems_for
         cfg = copy.deepcopy(self.worker.cfg)
         cfg["actor_rollout_ref"]["actor"]["fsdp_config"]["ulysses_sequence_parallel_size"] = 1
         cfg["actor_rollout_ref"]["actor"]["ulysses_sequence_parallel_size"] = 1
@@ -179,12 +180,10 @@ class _AdvantageMixin:
     kl_ctrl: Any
 
     def _init_kl(self, cfg: dict) -> None:
-        from hpc_verl.trainer import core_algos as A
         self.cfg = cfg
         self.kl_ctrl = A.make_kl_controller(cfg["algorithm"]["kl_ctrl"])
 
     def _token_rewards(self, batch: dict, scores: Any, ref: dict | None) -> tuple[Any, dict]:
-        from hpc_verl.trainer import core_algos as A
         algo = self.cfg["algorithm"]
         mask = batch["response_mask"]
         token_scores = A.scores_to_token_rewards(scores, mask)
@@ -218,7 +217,6 @@ class AdvantageNode(_AdvantageMixin):
         self._init_kl(cfg)
 
     def process(self, joined: dict) -> dict:
-        from hpc_verl.trainer import core_algos as A
         batch = joined[ROLLOUT_NODE]
         scores = joined[REWARD_NODE]["scores"]
         ref = joined.get(REF_NODE)
@@ -254,7 +252,6 @@ class CriticNode(_AdvantageMixin, _Ulysses):
         return {f"update_critic/{k}": v for k, v in self.worker.model.phases.last.items()}
 
     def process(self, joined: dict) -> dict:
-        from hpc_verl.trainer import core_algos as A
         batch = dict(joined[ROLLOUT_NODE])
         scores = joined[REWARD_NODE]["scores"]
         ref = joined.get(REF_NODE)
@@ -276,15 +273,11 @@ class CriticNode(_AdvantageMixin, _Ulysses):
     def save_checkpoint(self, path: str) -> None:
         self.worker.save_checkpoint(path)
         if self.worker.par.rank == 0:
-            import os
-
             import torch
             torch.save({"kl_ctrl": self.kl_ctrl.state_dict()}, os.path.join(path, "kl_ctrl.pt"))
         self.worker.par.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        import os
-
         import torch
         self.worker.load_checkpoint(path)
         self.kl_ctrl.load_state_dict(torch.load(os.path.join(path, "kl_ctrl.pt"), weights_only=False)["kl_ctrl"])
@@ -411,6 +404,5 @@ class ActorNode(_Ulysses):
 
 def _check_world(cfg: dict, world: int) -> str | None:
     """Why ``world`` data-parallel ranks cannot take this config's batches (None: they can)."""
-    from hpc_verl.trainer.config.schema import check_batch_arithmetic
     problems = check_batch_arithmetic(cfg, world)
     return problems[0] if problems else None

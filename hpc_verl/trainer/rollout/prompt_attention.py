@@ -18,6 +18,7 @@ same size; anything else keeps the copying path (``applies``).
 from __future__ import annotations
 
 from typing import Any
+from hpc_verl.trainer.engine.kvcache import preallocated_layer_class
 
 NAME = "hpc_verl_shared_prompt"   # the attention implementation the rollout model is switched to
 _registered = False
@@ -58,8 +59,6 @@ def enable(model: Any) -> None:
 
 
 def _layer_class() -> Any:
-    from hpc_verl.trainer.engine.kvcache import preallocated_layer_class
-
     class SharedPromptLayer(preallocated_layer_class()):
         """The first update (the prefill, one row per prompt) is the prompt part, kept as it came;
         later ones go to per-row response buffers of ``capacity`` positions (the preallocated
