@@ -4,7 +4,10 @@ Every import counts, also those inside functions (they run, just later), except 
 ``if TYPE_CHECKING:``. Rules: no import circle between modules; a package imports only
 packages below it in ``LAYERS``; inside launch/, ``spec`` runs nothing and never imports a
 backend; nothing below cli/ imports cli/; cli/ names no backend (it calls the interface in
-``hpc_verl.launch.backends`` and branches on nothing).
+``hpc_verl.launch.backends`` and branches on nothing). Inside trainer/, the sub-packages form
+layers too (``TRAINER_LAYERS``); config/ and driver/ import no torch, transformers or vLLM at a
+module's top, and a trainer module imports inside a function only an optional heavy package
+(``HEAVY``) or with a reason in a comment on the line.
 """
 from __future__ import annotations
 
@@ -37,6 +40,27 @@ LAUNCH_LAYERS: list[tuple[str, ...]] = [
     ("hpc_verl.launch.spec",),
     ("hpc_verl.launch.backends",),
 ]
+
+# Inside trainer/, lowest first (docs/development.md, "Layers"; each sub-package's __init__ says
+# which process runs it).
+TRAINER_LAYERS: list[tuple[str, ...]] = [
+    ("hpc_verl.trainer.core_algos",),
+    ("hpc_verl.trainer.config",),
+    ("hpc_verl.trainer.models",),
+    ("hpc_verl.trainer.observe",),
+    ("hpc_verl.trainer.engine",),
+    ("hpc_verl.trainer.rollout",),
+    ("hpc_verl.trainer.roles",),
+    ("hpc_verl.trainer.driver",),
+    ("hpc_verl.trainer.main", "hpc_verl.trainer"),
+]
+# Packages a driver-side module must not import at its top: seconds of import (and a GPU stack)
+# the driver and the login node do not need.
+NO_TOP_IMPORT = ("torch", "transformers", "vllm")
+NO_TOP_IMPORT_IN = ("hpc_verl.trainer.config", "hpc_verl.trainer.driver")
+# Optional or heavy packages a trainer module may import inside a function without a comment.
+HEAVY = ("torch", "transformers", "vllm", "ray", "tokenizers", "matplotlib", "wandb", "mlflow", "tensorboard",
+         "numpy", "safetensors", "rich")
 
 # Import circles that may stay until the code they are in is rewritten. Each entry: the modules
 # of one circle and why it is tolerated. The dataflow runtime and the trainer are being rewritten
@@ -175,14 +199,14 @@ def test_no_import_circle():
     assert not stale, f"ALLOWED_CYCLES lists circles that are gone: {stale}; remove them from the list"
 
 
-@pytest.mark.parametrize("layers", [LAYERS, LAUNCH_LAYERS], ids=["packages", "launch"])
+@pytest.mark.parametrize("layers", [LAYERS, LAUNCH_LAYERS, TRAINER_LAYERS], ids=["packages", "launch", "trainer"])
 def test_imports_go_down_the_layers(layers):
     top = len(layers)
     bad = []
+    inside = {id(LAUNCH_LAYERS): "hpc_verl.launch", id(TRAINER_LAYERS): "hpc_verl.trainer"}.get(id(layers))
     for imports in GRAPH.values():
         for i in imports:
-            if layers is LAUNCH_LAYERS and not (i.src.startswith("hpc_verl.launch") and
-                                                i.dst.startswith("hpc_verl.launch")):
+            if inside and not (i.src.startswith(inside) and i.dst.startswith(inside)):
                 continue
             src, dst = _rank(i.src, layers, top), _rank(i.dst, layers, top)
             same_row_other_package = src == dst and _owner(i.src, layers) != _owner(i.dst, layers)
@@ -223,3 +247,85 @@ def test_cli_has_no_backend_branch():
         bad += [f"{module}:{i.line}: imports {i.dst}" for i in GRAPH[module]
                 if i.dst.startswith("hpc_verl.launch.backends.")]
     assert not bad, "backend branches in the CLI:\n" + "\n".join(bad)
+
+
+def _trainer_modules() -> dict[str, Path]:
+    return {m: p for m, p in MODULES.items() if m.startswith("hpc_verl.trainer.")}
+
+
+def test_the_trainer_layers_name_every_sub_package():
+    """Every module of trainer/ sits in a row of TRAINER_LAYERS, and trainer/ holds no module
+    outside a sub-package but main and the algorithms."""
+    mods = _trainer_modules()
+    assert mods and all(_rank(m, TRAINER_LAYERS) is not None for m in mods)
+    loose = sorted(p.name for p in (PKG / "trainer").glob("*.py"))
+    assert loose == ["__init__.py", "core_algos.py", "main.py"], loose
+
+
+def _top_statements(tree: ast.Module) -> list[ast.stmt]:
+    """Statements that run at import: the module's body, into if/try/with blocks (not functions)."""
+    out: list[ast.stmt] = []
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *[s for h in getattr(node, "handlers", []) for s in h.body]]
+    return out
+
+
+def _imported_names(node: ast.stmt) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and not node.level:
+        return [node.module or ""]
+    return []
+
+
+def test_no_heavy_import_at_the_top_of_config_and_driver():
+    bad = []
+    for module, path in _trainer_modules().items():
+        if not module.startswith(NO_TOP_IMPORT_IN):
+            continue
+        for node in _top_statements(ast.parse(path.read_text())):
+            bad += [f"{module}:{node.lineno}: imports {name} at its top" for name in _imported_names(node)
+                    if name.split(".")[0] in NO_TOP_IMPORT]
+    assert not bad, "config/ and driver/ run in the driver, without torch:\n" + "\n".join(bad)
+
+
+def test_trainer_imports_inside_functions_are_heavy_or_give_a_reason():
+    """A file's top says what it depends on: an import inside a function is an optional heavy
+    package, or its line says why (``# lazy: ...``)."""
+    bad = []
+    for module, path in _trainer_modules().items():
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        top = {id(n) for n in _top_statements(tree)}
+        for node in ast.walk(tree):
+            names = _imported_names(node) if isinstance(node, ast.stmt) and id(node) not in top else []
+            if isinstance(node, ast.ImportFrom) and node.level and id(node) not in top:
+                names = ["(relative)"]
+            if not names or all(n.split(".")[0] in HEAVY for n in names):
+                continue
+            if _type_checking_lines(tree) & {node.lineno}:
+                continue
+            if not any("#" in lines[i - 1] for i in range(node.lineno, (node.end_lineno or node.lineno) + 1)):
+                bad.append(f"{module}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not bad, "move these imports to the top, or say why they wait (a comment on the line):\n" + \
+        "\n".join(bad)
+
+
+def test_the_driver_package_imports_no_torch():
+    """``import hpc_verl.trainer.driver`` (and the modules the driver runs) load no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import hpc_verl.trainer.driver, hpc_verl.trainer.driver.ppo_trainer, "
+            "hpc_verl.trainer.driver.ray_runner, hpc_verl.trainer.driver.inline_runner, hpc_verl.trainer.main; "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
