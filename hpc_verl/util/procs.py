@@ -3,10 +3,11 @@
 A supervisor (a job's, or a node's in the bootstrap) makes itself a *child subreaper*
 (``prctl(PR_SET_CHILD_SUBREAPER)``), so what its children leave behind (the Ray daemons
 ``ray start`` daemonises, a step started with ``setsid``) is re-parented to it instead
-of to init. Teardown then walks ``/proc`` for its descendants and signals them and their
-process groups: no pattern matching on command lines (Ray renames its processes with
+of to init. Teardown then walks the process table for its descendants and signals them and
+their process groups: no pattern matching on command lines (Ray renames its processes with
 setproctitle, and other users' Ray clusters share the node), no environment markers
-(Ray's agents do not inherit them).
+(Ray's agents do not inherit them). Process tables, names, command lines, open files and
+listening sockets come from psutil; signals, waits and the subreaper flag from ``os``.
 """
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ import time
 from collections.abc import Collection
 from typing import NamedTuple
 
+import psutil
+
 PR_SET_CHILD_SUBREAPER = 36
+_ENDED = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 def become_subreaper() -> bool:
@@ -29,24 +33,14 @@ def become_subreaper() -> bool:
         return False
 
 
-def _stat(pid: int) -> tuple[str, int, str] | None:
-    """(comm, ppid, state) of ``pid`` or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            data = fh.read()
-    except OSError:
-        return None
-    comm = data[data.index("(") + 1:data.rindex(")")]
-    fields = data[data.rindex(")") + 2:].split()
-    return comm, int(fields[1]), fields[0]
-
-
 def alive(pid: int | None) -> bool:
     """True when ``pid`` runs and is not a zombie."""
     if not pid or pid <= 0:
         return False
-    st = _stat(pid)
-    return st is not None and st[2] not in ("Z", "X")
+    try:
+        return psutil.Process(pid).status() not in _ENDED
+    except psutil.Error:
+        return False
 
 
 class Proc(NamedTuple):
@@ -54,22 +48,21 @@ class Proc(NamedTuple):
 
     ppid: int
     sid: int
-    start: str   # start time (clock ticks after boot): with the pid, it names one process; pids are reused
+    start: float   # start time: with the pid, it names one process; pids are reused
 
 
 def process_table() -> dict[int, Proc]:
-    """Every live process (no zombies), from one pass over ``/proc``."""
+    """Every live process (no zombies), from one pass over the process table."""
     out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for p in psutil.process_iter(["ppid", "status", "create_time"]):
+        info = p.info
+        if info["status"] in _ENDED or info["ppid"] is None:
             continue
         try:
-            with open(f"/proc/{entry}/stat") as fh:
-                f = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            sid = os.getsid(p.pid)
+        except OSError:   # ended meanwhile
             continue
-        if f[0] not in ("Z", "X"):
-            out[int(entry)] = Proc(int(f[1]), int(f[3]), f[19])
+        out[p.pid] = Proc(int(info["ppid"]), sid, info["create_time"])
     return out
 
 
@@ -86,46 +79,26 @@ def descendants(root: int, table: dict[int, Proc] | None = None) -> list[int]:
     return out
 
 
-def _listening_inodes(port: int) -> set[str]:
-    """Socket inodes listening on TCP ``port`` (any address, IPv4 or IPv6), from /proc/net/tcp*."""
-    inodes = set()
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(name) as fh:
-                lines = fh.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
-                inodes.add(f[9])
-    return inodes
-
-
 def listens_in_tree(root: int, port: int) -> bool | None:
-    """Whether a descendant of ``root`` holds the socket listening on ``port``: True, False (someone
-    else's, or nobody's yet), None (the kernel's tables are unreadable here: cannot tell)."""
-    inodes = _listening_inodes(port)
-    if not inodes:
-        return False if os.path.exists("/proc/net/tcp") else None
-    wanted = {f"socket:[{i}]" for i in inodes}
-    for pid in descendants(root):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
-                    return True
-            except OSError:
-                continue
-    return False
+    """Whether a descendant of ``root`` holds the socket listening on ``port`` (any address, IPv4 or
+    IPv6): True, False (someone else's, or nobody's yet), None (the kernel's tables are unreadable
+    here: cannot tell)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    holders = {c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port}
+    if not holders:
+        return False
+    return bool(holders & set(descendants(root)))
 
 
 def comm(pid: int) -> str:
-    st = _stat(pid)
-    return st[0] if st else ""
+    """The process's name ("" when it is gone)."""
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return ""
 
 
 def reap() -> dict[int, int]:
@@ -248,27 +221,20 @@ def pids_using(path: str) -> list[int]:
     under it open (a private Ray's temp dir: its agents rename themselves with setproctitle but
     keep their log files there). A unique path is safe to match, unlike a program name."""
     root = os.path.realpath(path)
-    needle = root.encode()
+    me = os.getpid()
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid() or not alive(int(entry)):
+    for p in psutil.process_iter(["status", "cmdline"]):
+        if p.pid == me or p.info["status"] in _ENDED:
+            continue
+        if root in "\0".join(p.info["cmdline"] or ()):
+            out.append(p.pid)
             continue
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                if needle in fh.read():
-                    out.append(int(entry))
-                    continue
-            fds = os.listdir(f"/proc/{entry}/fd")
-        except OSError:
+            files = p.open_files()
+        except psutil.Error:
             continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{entry}/fd/{fd}")
-            except OSError:
-                continue
-            if target == root or target.startswith(root + "/"):
-                out.append(int(entry))
-                break
+        if any(f.path == root or f.path.startswith(root + "/") for f in files):
+            out.append(p.pid)
     return out
 
 
