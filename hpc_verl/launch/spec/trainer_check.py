@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.util.batch_rules import check_ppo_arithmetic
 from hpc_verl.verl_upstream import findings
 from hpc_verl.verl_upstream.config import find_verl
 from hpc_verl.verl_upstream.cpu import rules as cpu_rules
@@ -113,7 +112,7 @@ def builtin_device_overrides(profile: Any) -> list[tuple[str, str]]:
 
 
 def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck:
-    from hpc_verl.trainer.config.schema import load_config
+    from hpc_verl.trainer.config.job import job_problems   # the trainer's config decides what is valid
 
     overrides = _user_overrides(job)
     for item in overrides:
@@ -131,11 +130,11 @@ def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck
     if profile.accelerator in ("none", "fake"):  # CPU workers: no per-GPU split to check
         gpus = 0
     try:
-        cfg = load_config(None, overrides=[*derived, *[o for o in overrides
-                                                       if o.split("=", 1)[0].lstrip("+~") not in ALLOCATION_KEYS]])
+        problems = job_problems([*derived, *[o for o in overrides
+                                             if o.split("=", 1)[0].lstrip("+~") not in ALLOCATION_KEYS]],
+                                alloc.nnodes, gpus)
     except ConfigError as exc:
         raise ConfigError(f"job config {_source(job)}: {exc}") from None
-    problems = check_ppo_arithmetic(cfg, alloc.nnodes, gpus)
     if problems:
         extra = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise ConfigError(f"job config {_source(job)} on {alloc.source}: {problems[0]}{extra}")
