@@ -279,11 +279,12 @@ def test_every_default_key_is_read_or_refused():
     import yaml
 
     from hpc_verl.trainer.config.refusals import REFUSALS
-    defaults = yaml.safe_load((REPO / "hpc_verl/trainer/ppo_default.yaml").read_text())
-    code = "\n".join(p.read_text() for d in ("trainer", "data", "dataflow") for p in (REPO / "hpc_verl" / d).glob("*.py")
-                     if p.name not in ("ppo_default.yaml", "support.py"))
+    defaults = yaml.safe_load((REPO / "hpc_verl/trainer/config/ppo_default.yaml").read_text())
+    code = "\n".join(p.read_text() for d in ("trainer", "data", "dataflow")
+                     for p in (REPO / "hpc_verl" / d).rglob("*.py")
+                     if p.name not in ("ppo_default.yaml", "refusals.py", "derive.py"))   # (support.py before)
     refused = {r.key for r in REFUSALS} | {"data.val_files", "data.val_batch_size"}   # read when validation is
-    code += "\n".join(re.findall(r"\$\{([a-z_.]+)\}", (REPO / "hpc_verl/trainer/ppo_default.yaml").read_text()))
+    code += "\n".join(re.findall(r"\$\{([a-z_.]+)\}", (REPO / "hpc_verl/trainer/config/ppo_default.yaml").read_text()))
 
     def leaves(d, prefix=""):
         for k, v in d.items():

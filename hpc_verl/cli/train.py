@@ -7,7 +7,7 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="run the built-in PPO/GRPO trainer on Ray (verl config keys)",
                               description="Run the built-in PPO/GRPO trainer. Config keys follow verl's names; "
-                                          "defaults are in hpc_verl/trainer/ppo_default.yaml.")
+                                          "defaults are in hpc_verl/trainer/config/ppo_default.yaml.")
     from hpc_verl.trainer.main import add_arguments
     add_arguments(p)
     p.set_defaults(func=_run)

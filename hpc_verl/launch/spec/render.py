@@ -34,7 +34,7 @@ from hpc_verl.util.rayready import READY_FILE_ENV, READY_FILE_NAME, READY_TIMEOU
 STAGES = ("validate", "preprocess", "model-check", "ray-up", "train", "collect")
 SBATCH_TEMPLATE = "job.sbatch.j2"
 _SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:/@%+=\[\]-]+$")
-REQUEUE_EXIT_VAR = "HPC_VERL_REQUEUE_EXIT_CODE"  # the variable trainer.checkpoint reads its code from
+REQUEUE_EXIT_VAR = "HPC_VERL_REQUEUE_EXIT_CODE"  # the variable hpc_verl.errors reads the code from
 
 
 def job_stages(hold: bool = False) -> tuple[str, ...]:

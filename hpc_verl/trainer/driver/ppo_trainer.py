@@ -1,4 +1,4 @@
-"""The PPO driver: data, steps through the dataflow graph (``trainer.graph``), metrics, checkpoints.
+"""The PPO driver: data, steps through the dataflow graph (``driver.ppo_graph``), metrics, checkpoints.
 
 One step is one item through the graph (see ``trainer.nodes``): rollout with the
 current policy version → reward, reference log-probs (concurrently) → advantages

@@ -150,7 +150,7 @@ class DataflowRunner:
 
     def _start_private_ray(self, cfg: Mapping, env: dict[str, str]) -> None:
         """A private single-node Ray on random ports, never someone else's cluster: its head runs
-        in a process of its own that ends all of it when this driver dies (trainer.privateray)."""
+        in a process of its own that ends all of it when this driver dies (driver/private_ray.py)."""
         hv = cfg["hpc_verl"]
         os.environ.update({**env, **rayready.RAYLET_ENV})   # (the head's raylet passes them to the ranks)
         cpus = hv["ray_num_cpus"] or max(os.cpu_count() or 1, _ray_cpus_needed(cfg))
