@@ -200,7 +200,7 @@ def trl_worker(spec: Mapping[str, Any]) -> dict[str, Any]:
     import trl
     from trl import GRPOConfig, GRPOTrainer
 
-    from hpc_verl.trainer.roles.rewards import digits_score
+    from hpc_verl.trainer.roles.reward_rules import digits_score
 
     transformers.logging.set_verbosity_error()
     s = spec["settings"]

