@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,39 @@ def test_pin_cpus_puts_every_thread_of_a_rank_on_its_core():
     first, second = res.stdout.strip().splitlines()
     assert int(first.split()[1]) >= 2 and first.endswith("True"), res.stdout + res.stderr
     assert second.startswith("ConfigError") and "CPU 4096 is not one this process may run on" in second
+
+
+def test_a_cpu_profile_gives_each_node_several_ranks(tmp_path, cli):
+    """cpu.ranks_per_node: verl gets n_gpus_per_node=K and Ray K logical GPUs per node (a TP=2 replica fits in
+    one node); the built-in trainer K CPU ranks; refused on GPU profiles, past the task's CPUs, misspelt."""
+    from hpc_verl.errors import ProfileError
+    from hpc_verl.launch.spec.jobconfig import load_job_config
+    from hpc_verl.launch.spec.render import derived_overrides, render_sbatch
+    from hpc_verl.launch.spec.trainer_check import validate_job_trainer
+    from hpc_verl.profiles import load_profile
+
+    profile = load_profile("local", ["cpu.ranks_per_node=2"])
+    job = load_job_config(str(REPO / "examples" / "job_verl_cpu.yaml"))
+    job.trainer.overrides.update({"actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+                                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 4,
+                                  "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 4})
+    check = validate_job_trainer(profile, job)
+    assert "trainer.n_gpus_per_node=2" in check.command.derived
+    script = render_sbatch(profile, job, job_id=7)
+    assert "export HPCV_RAY_GPUS_PER_NODE=2" in script and "export HPCV_RAY_NUM_CPUS=9" in script
+    assert dict(derived_overrides(profile, job))["trainer.n_gpus_per_node"] == "2"
+    # the built-in trainer on the same profile: two CPU ranks per node
+    builtin = load_job_config(str(REPO / "examples" / "job_local_demo.yaml"))
+    assert builtin.trainer.module == "hpc_verl.trainer.main"
+    assert dict(derived_overrides(profile, builtin))["trainer.n_gpus_per_node"] == "2"
+    assert dict(derived_overrides(load_profile("local"), builtin))["trainer.n_gpus_per_node"] == "$HPCV_GPUS_PER_NODE"
+    # refusals: one line each
+    for overrides, words in ((["accelerator=nvidia", "slurm.gpus_per_node=4", "cpu.ranks_per_node=2"],
+                              "cpu.ranks_per_node is 2 but accelerator is 'nvidia'"),
+                             (["scheduler=slurm", "slurm.cpus_per_task=1", "cpu.ranks_per_node=2"],
+                              "raise slurm.cpus_per_task to at least 2"),
+                             (["accelerator=none", "slurm.gpus_per_node=2"], "ranks per CPU node are cpu.ranks_per_node")):
+        with pytest.raises(ProfileError, match=re.escape(words)):
+            load_profile("local", overrides)
+    res = cli("profiles", "show", "local", "--set", "cpu.rank_per_node=2")
+    assert res.returncode == 2 and "did you mean 'ranks_per_node'" in res.stderr and "Traceback" not in res.stderr, res.stderr

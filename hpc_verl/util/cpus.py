@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Mapping
 
 OVERSUBSCRIBE_KEY = "hpc_verl.allow_cpu_oversubscribe"
-#: the trainer ranks the launcher places on each node of a CPU profile (accelerator none): the
-#: built-in trainer gets n_gpus_per_node 0 (one rank), upstream verl one logical GPU
+#: the trainer ranks the launcher places on each node of a CPU profile (accelerator none) unless the
+#: profile's ``cpu.ranks_per_node`` says more: the built-in trainer gets n_gpus_per_node 0 (one rank),
+#: upstream verl one logical GPU
 CPU_PROFILE_RANKS_PER_NODE = 1
 
 
@@ -96,7 +97,8 @@ def profile_cpus(scheduler: str, cpus_per_task: int, env: Mapping[str, str] | No
 
 
 def profile_rank_check(scheduler: str, cpus_per_task: int, env: Mapping[str, str] | None = None,
-                       ranks: int = CPU_PROFILE_RANKS_PER_NODE) -> tuple[str, str | None]:
+                       ranks: int = CPU_PROFILE_RANKS_PER_NODE,
+                       ranks_key: str = "trainer.n_gpus_per_node") -> tuple[str, str | None]:
     """``plan`` and ``doctor`` on a CPU profile: (ranks against CPUs, the refusal or None)."""
     usable = profile_cpus(scheduler, cpus_per_task, env)
-    return rank_line(ranks, usable), rank_problem(ranks, usable, "trainer.n_gpus_per_node")
+    return rank_line(ranks, usable), rank_problem(ranks, usable, ranks_key)

@@ -225,7 +225,8 @@ def derived_overrides(profile: Profile, job: JobConfig) -> list[tuple[str, str]]
             wanted += cpu["overrides"]
     else:
         from hpc_verl.launch.spec.trainer_check import builtin_device_overrides
-        wanted += builtin_device_overrides(profile)
+        device = dict(builtin_device_overrides(profile))
+        wanted = [(k, device.pop(k, v)) for k, v in wanted] + list(device.items())
     given = {k.lstrip("+~") for k in job.trainer.overrides}
     return [(k, v) for k, v in wanted if k.lstrip("+") not in given]
 
@@ -248,8 +249,8 @@ def _verl_cpu(profile: Profile, job: JobConfig) -> dict[str, Any] | None:
     if not rules.applies(profile, job):
         return None
     user = job.trainer_override_args()
-    return {"gpus_per_node": rules.LOGICAL_GPUS_PER_NODE,
-            "num_cpus": rules.ray_cpus(user, rules.LOGICAL_GPUS_PER_NODE),
+    ranks = profile.cpu.ranks_per_node
+    return {"gpus_per_node": ranks, "num_cpus": rules.ray_cpus(user, ranks),
             "env": rules.env(profile.env.vars), "overrides": rules.derived_overrides(user)}
 
 

@@ -56,6 +56,8 @@ def trainer_kind(job: Any) -> str:
 def allocation_of(profile: Any, nodes: int | None = None) -> Allocation:
     n = nodes if nodes is not None else profile.slurm.nodes
     gpn = profile.slurm.gpus_per_node
+    if profile.accelerator == "none" and profile.cpu.ranks_per_node > 1:
+        gpn = profile.cpu.ranks_per_node  # the built-in trainer on CPU: n_gpus_per_node CPU ranks per node
     return Allocation(n, gpn, profile.slurm.cpus_per_task,
                       source=f"profile '{profile.name}' ({n} node(s) × {gpn} GPU(s))")
 
@@ -100,15 +102,19 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
 
 
 def cpu_allocation(profile: Any, alloc: Allocation) -> Allocation:
-    """A verl job on CPU nodes: each node is ``LOGICAL_GPUS_PER_NODE`` logical GPU(s) (Ray slots)."""
-    gpn = cpu_rules.LOGICAL_GPUS_PER_NODE
+    """A verl job on CPU nodes: each node is ``cpu.ranks_per_node`` logical GPU(s) (Ray slots)."""
+    gpn = profile.cpu.ranks_per_node
     return Allocation(alloc.nnodes, gpn, alloc.cpus_per_node,
                       source=f"profile '{profile.name}' ({alloc.nnodes} CPU node(s) × {gpn} logical GPU(s))")
 
 
 def builtin_device_overrides(profile: Any) -> list[tuple[str, str]]:
-    """The built-in trainer on CPU-only nodes: its ranks are CPU processes (n_gpus_per_node 0: one each)."""
-    return [("trainer.device", "cpu")] if profile.accelerator == "none" else []
+    """The built-in trainer on CPU-only nodes: its ranks are CPU processes (n_gpus_per_node 0: one each,
+    else ``cpu.ranks_per_node`` of them)."""
+    if profile.accelerator != "none":
+        return []
+    ranks = profile.cpu.ranks_per_node
+    return [("trainer.device", "cpu")] + ([("trainer.n_gpus_per_node", str(ranks))] if ranks > 1 else [])
 
 
 def _validate_builtin(profile: Any, job: Any, alloc: Allocation) -> TrainerCheck:

