@@ -9,6 +9,9 @@ next run resumes (``trainer.resume_mode=auto``). The wait is bounded: it ends
 ``STOP_MARGIN_S`` before the job's end (``$HPCV_EXPIRY_FILE``), when verl is
 stopped anyway and the next run resumes from its last save, whichever it is.
 
+verl's standard output passes through this process: each ``step:N`` line verl prints is also
+a record in ``$HPCV_RUN_DIR/progress.jsonl``, the progress the stall watchdog reads.
+
 The trainer gets ``RAY_RUNTIME_ENV_HOOK`` so that its Ray workers follow the
 job's end time (:mod:`hpc_verl.verl_upstream.expiry`). Every decision is a log
 line on stderr (the batch log).
@@ -19,12 +22,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from hpc_verl.errors import REQUEUE_EXIT_CODE
+from hpc_verl.util import progress
 from hpc_verl.verl_upstream import expiry
 
 #: verl's tracker file (``get_checkpoint_tracker_filename``), written after a save completes.
@@ -84,6 +89,9 @@ class Supervisor:
         self.ckpt_dir = checkpoint_dir(self.argv)
         self.child: subprocess.Popen | None = None
         self.signalled: int | None = None
+        run_dir = self.env.get("HPCV_RUN_DIR")
+        self.progress_file = os.path.join(run_dir, progress.PROGRESS_FILE) if run_dir else None
+        self.relay: threading.Thread | None = None
 
     def child_env(self) -> dict[str, str]:
         env = dict(self.env)
@@ -98,12 +106,34 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
-        self.child = subprocess.Popen(self.argv, env=self.child_env(), start_new_session=True)
+        self.child = subprocess.Popen(self.argv, env=self.child_env(), start_new_session=True,
+                                      stdout=subprocess.PIPE if self.progress_file else None)
+        if self.child.stdout is not None:
+            self.relay = threading.Thread(target=self._relay, args=(self.child.stdout,), daemon=True)
+            self.relay.start()
         try:
             return self._watch()
         finally:
             if self.child.poll() is None:
                 self._stop_child()
+            if self.relay is not None:
+                self.relay.join(timeout=5.0)
+
+    def _relay(self, stream) -> None:
+        """verl's output to ours, line by line; its step lines also to the progress file."""
+        out = sys.stdout.buffer
+        for raw in iter(stream.readline, b""):
+            try:
+                out.write(raw)
+                out.flush()
+            except (OSError, ValueError):
+                pass  # our output is gone: verl's still drains, so it never blocks on a full pipe
+            step = progress.step_of_line(raw.decode("utf-8", "replace"))
+            if step is not None and self.progress_file:
+                try:
+                    progress.append_step(self.progress_file, step)
+                except OSError as exc:
+                    _log(f"cannot record step {step} in {self.progress_file}: {exc}")
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signalled = signum

@@ -270,6 +270,13 @@ def _expiry_context(profile: Profile, job: JobConfig) -> dict[str, Any] | None:
     return {"env": expiry.EXPIRY_ENV, "poll_s": int(expiry.POLL_DEFAULT_S), "requeue_exit": REQUEUE_EXIT_CODE}
 
 
+def _watchdog_context() -> dict[str, Any]:
+    """The stall watchdog's names the batch script uses (``bootstrap.watchdog``)."""
+    from hpc_verl.bootstrap import watchdog
+    return {"stall_file": watchdog.STALL_FILE, "stacks_dir": watchdog.STACKS_DIR, "stall_exit": watchdog.STALL_EXIT,
+            "self_env": watchdog.SELF_ENV}
+
+
 def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False,
                    job_id: Optional[int] = None) -> dict[str, Any]:
     """Everything job.sbatch.j2 and its partials may use (the only context of that template).
@@ -300,6 +307,7 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False,
         "verl_job": _is_verl(job),
         "early_train": not hold and _starts_with_ray(job),
         "ray_ready": {"file": READY_FILE_NAME, "env": READY_FILE_ENV, "timeout_env": READY_TIMEOUT_ENV},
+        "watchdog": _watchdog_context(),
         "expiry": _expiry_context(profile, job),
         "job_id": job_id,
         "failure_file": FAILURE_FILE_NAME,
