@@ -102,6 +102,24 @@ def test_verls_supervisor_records_each_step_line_and_passes_the_output_on(tmp_pa
     assert [r["step"] for r in records] == [1, 2]
 
 
+def test_the_report_names_stopped_ranks_first_with_short_frames(tmp_path):
+    (tmp_path / watchdog.STALL_FILE).write_text(json.dumps({"after_step": None, "quiet_s": 400, "timeout_s": 360}))
+    (tmp_path / "stacks").mkdir()
+    site = "/v/lib/python3.11/site-packages"
+    recs = [{"node": "node1", "pid": 5, "name": "ray::WorkerDict", "stopped": False,
+             "where": "send (/x/verl/workers/rollout/bucketed_weight_transfer.py:195)"},
+            {"node": "node2", "pid": 9, "name": "ray::WorkerDict", "stopped": True,
+             "where": f"Worker.main_loop ({site}/ray/_private/worker.py:1069)"},
+            {"node": "node1", "pid": 3, "name": "python -m hpc_verl.bootstrap worker", "stopped": False,
+             "where": "NodeSupervisor._run (hpc_verl/bootstrap/node.py:229)"}]
+    (tmp_path / "stacks" / "node1.where.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    line = watchdog.report(str(tmp_path))
+    assert line.startswith("stalled: no step for 400 s after the train stage started (no first step within "
+                           "watchdog.startup_timeout_s=360); waiting at: node2 pid 9 ray::WorkerDict [stopped] in "
+                           "Worker.main_loop (ray/_private/worker.py:1069); node1 pid 5 ray::WorkerDict in send "
+                           "(/x/verl/workers/rollout/bucketed_weight_transfer.py:195) (and 1 more process(es))"), line
+
+
 RANK = textwrap.dedent("""
     import sys, time
     def wait_for_weights():
@@ -141,8 +159,12 @@ def test_stacks_of_a_stopped_rank_are_saved_and_the_report_names_where_it_waits(
         text = (run_dir / "stacks" / "node1" / saved[0]).read_text()
         assert "wait_for_weights" in text, text
         line = watchdog.report(str(run_dir))
-        assert line.startswith("stalled: no step for 61 s after step 2; waiting at: node1 pid "), line
-        assert "wait_for_weights (hpc_verl/rank.py:5)" in line, line
+        # a Ray actor's title names a rank; the stopped one is marked
+        assert line.startswith("stalled: no step for 61 s after step 2; "), line
+        records = [json.loads(x) for x in (run_dir / "stacks" / "node1.where.jsonl").read_text().splitlines()]
+        assert records[0]["stopped"] is True and records[0]["where"] == "wait_for_weights (hpc_verl/rank.py:5)"
+        assert watchdog.is_rank("ray::WorkerDict") and watchdog.is_rank("VLLM::Worker")
+        assert not watchdog.is_rank("ray::DashboardAgent") and not watchdog.is_rank("/usr/bin/python -m x")
     finally:
         for p in [*procs, other]:
             p.kill()

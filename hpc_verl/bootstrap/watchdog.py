@@ -237,12 +237,47 @@ def dump(run_dir: str, node: str) -> int:
                 text, ok = f"py-spy dump did not finish in {PYSPY_TIMEOUT_S:.0f} s", False
         (out_dir / f"{pid}.txt").write_text(f"# {name}\n{text}")
         records.append({"node": node, "pid": pid, "name": name, "where": where(text) if ok else None,
+                        "stopped": _stopped(pid),
                         "error": None if ok else text.strip().splitlines()[-1:] or ["no output"]})
     tmp = out_dir.parent / f".{node}.where.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     tmp.replace(out_dir.parent / f"{node}.where.jsonl")
     _log(f"{node}: {len(pids)} stack(s) in {out_dir}")
     return 0
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): state T or t in /proc/PID/stat."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+#: Ray's own helper actors, which wait for work whatever the training does
+RAY_HELPERS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::IDLE")
+
+
+def is_rank(name: str) -> bool:
+    """A process that does the training's work: a Ray actor of the job (verl's workers, vLLM servers,
+    the built-in trainer's ranks) or an engine process (vLLM's)."""
+    title = name.split(" ")[0]
+    return (title.startswith("ray::") and not title.startswith(RAY_HELPERS)) or title.startswith("VLLM::")
+
+
+def _frame_short(frame: str) -> str:
+    """``f (/x/site-packages/ray/_private/worker.py:9)`` -> ``f (ray/_private/worker.py:9)``."""
+    func, _, loc = frame[:-1].rpartition(" (")
+    for marker in ("/site-packages/", "/dist-packages/", "/lib/python3"):
+        if marker in loc:
+            loc = loc.split(marker, 1)[1]
+            loc = loc.split("/", 1)[1] if marker == "/lib/python3" else loc
+            break
+    return f"{func} ({loc})"
+
+
+#: at most this many processes named in the failure line (the rest are in the stack files)
+REPORT_MAX = 12
 
 
 def _short(name: str) -> str:
@@ -260,12 +295,17 @@ def report(run_dir: str) -> str:
     records = []
     for path in sorted((Path(run_dir) / STACKS_DIR).glob("*.where.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    busy = [r for r in records if r.get("where") and _job_path(r["where"][:-1].rpartition(" (")[2])]
-    waits = [f"{r['node']} pid {r['pid']} {_short(r['name'])} in {r['where']}" for r in busy]
-    others = len(records) - len(busy)
-    tail = f"; waiting at: {'; '.join(waits)}" if waits else ""
-    tail += f" ({others} more process(es) elsewhere)" if others and waits else (
-        f"; {len(records)} process(es), none in verl/hpc_verl/vLLM code" if records else "; no stacks saved")
+    ranks = [r for r in records if is_rank(r["name"])]
+    # stopped processes first, then those in job code: the likeliest culprits lead
+    ranks.sort(key=lambda r: (not r.get("stopped"), not (r.get("where") and _job_path(
+        r["where"][:-1].rpartition(" (")[2])), r["node"], r["pid"]))
+    waits = [f"{r['node']} pid {r['pid']} {_short(r['name'])}{' [stopped]' if r.get('stopped') else ''} in "
+             f"{_frame_short(r['where']) if r.get('where') else 'an unknown place (' + str(r.get('error')) + ')'}"
+             for r in ranks[:REPORT_MAX]]
+    others = len(records) - len(waits)
+    tail = f"; waiting at: {'; '.join(waits)}" if waits else (
+        f"; {len(records)} process(es), none a Ray actor or engine process" if records else "; no stacks saved")
+    tail += f" (and {others} more process(es))" if others and waits else ""
     return f"{stall_line(stall)}{tail}; stacks in {Path(run_dir) / STACKS_DIR}"
 
 
