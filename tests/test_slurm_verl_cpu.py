@@ -223,6 +223,8 @@ def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topolog
     assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=600) == "COMPLETED", \
         batch_log(run_dir)[-4000:]
     one_node = _step_record(run_dir, 1)
+    print("first step, 2 nodes x 1 rank vs 1 node x 2 ranks:",
+          {k: (two_nodes[k], one_node[k]) for k in ("actor/pg_loss", "actor/entropy")})
     for key in ("actor/pg_loss", "actor/entropy"):
         assert one_node[key] == pytest.approx(two_nodes[key], rel=SAME_MATHS_RTOL, abs=1e-7), (key, one_node,
                                                                                             two_nodes)
