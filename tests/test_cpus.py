@@ -155,3 +155,15 @@ def test_a_cpu_profile_gives_each_node_several_ranks(tmp_path, cli):
             load_profile("local", overrides)
     res = cli("profiles", "show", "local", "--set", "cpu.rank_per_node=2")
     assert res.returncode == 2 and "did you mean 'ranks_per_node'" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_a_replica_over_nodes_that_share_tmp_is_named_before_submission():
+    """verl 0.9.1's weight-sync socket is /tmp/...-rank-{node-local rank}.sock: a TP=2 replica over two
+    nodes of one host (a test bed) hangs; one line says so and what keeps the replica inside a node."""
+    from hpc_verl.verl_upstream.cpu.rules import shared_tmp_notes
+
+    cfg = {"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 2}}}
+    (line,) = shared_tmp_notes(cfg, nnodes=2, ranks_per_node=1, one_host=True)
+    assert "first weight sync hangs" in line and "cpu.ranks_per_node: 2" in line
+    assert shared_tmp_notes(cfg, nnodes=2, ranks_per_node=2, one_host=True) == []
+    assert shared_tmp_notes(cfg, nnodes=2, ranks_per_node=1, one_host=False) == []

@@ -95,6 +95,9 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
         if errors:
             raise ConfigError(f"job config {_source(job)}: {one_line(errors)}")
         cmd.warnings += notes
+        if cpu_rules.applies(profile, job):
+            cmd.warnings += cpu_rules.shared_tmp_notes(cmd.resolved, alloc.nnodes, alloc.gpus_per_node,
+                                                       profile.network.allow_loopback)
         for line in cmd.warnings:  # one clean line for the person at the terminal
             print(f"hpc-verl: warning: {line}", file=sys.stderr)
         return TrainerCheck("verl", cmd, list(cmd.warnings))

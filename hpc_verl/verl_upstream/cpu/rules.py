@@ -192,3 +192,22 @@ def check_version(version: str | None) -> None:
     line = unsupported_version_line(version) if version else None
     if line:
         raise VerlVersionUnsupported(line)
+
+
+def shared_tmp_notes(resolved: Mapping[str, Any], nnodes: int, ranks_per_node: int, one_host: bool) -> list[str]:
+    """A rollout replica spread over nodes that share one host's /tmp (a test bed: ``network.allow_loopback``)
+    hangs in verl's first weight sync: verl 0.9.1 names the socket ``ipc:///tmp/rl-colocate-zmq-{job}-replica-{r}-
+    rank-{local rank}.sock`` (vllm_rollout.py:141, utils.py:431), the same path for each node's local rank 0."""
+    from hpc_verl.util.dotted import get_path
+
+    try:
+        tp = int(get_path(resolved, f"{ROLLOUT}.tensor_model_parallel_size"))
+    except (KeyError, TypeError, ValueError):
+        return []
+    if not one_host or nnodes < 2 or tp <= ranks_per_node:
+        return []
+    return [f"{ROLLOUT}.tensor_model_parallel_size={tp} spreads each vLLM replica over {-(-tp // ranks_per_node)} "
+            f"nodes ({ranks_per_node} rank(s) each), and this profile's nodes share one host's /tmp "
+            "(network.allow_loopback): verl names its weight-sync socket after the node-local rank under /tmp, so "
+            f"the first weight sync hangs (the stall watchdog ends it); set cpu.ranks_per_node: {tp} to keep a "
+            "replica inside one node"]
