@@ -140,6 +140,13 @@ def test_a_cpu_profile_gives_each_node_several_ranks(tmp_path, cli):
     script = render_sbatch(profile, job, job_id=7)
     assert "export HPCV_RAY_GPUS_PER_NODE=2" in script and "export HPCV_RAY_NUM_CPUS=9" in script
     assert dict(derived_overrides(profile, job))["trainer.n_gpus_per_node"] == "2"
+    # a TP=2 replica inside the node: each node cuts its own CPUs into one set per vLLM rank
+    assert f"hpcv_export {cpus.CPU_SETS_ENV} 2" in script
+    job.trainer.overrides["actor_rollout_ref.rollout.tensor_model_parallel_size"] = 1
+    assert cpus.CPU_SETS_ENV not in render_sbatch(profile, job, job_id=7)
+    assert cpus.vllm_cpu_bind({cpus.CPU_SETS_ENV: "2"}, [4, 5, 6, 7, 8]) == "4,5|6,7,8"
+    assert cpus.vllm_cpu_bind({cpus.CPU_SETS_ENV: "2", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}, [0, 1]) is None
+    assert cpus.vllm_cpu_bind({}, [0, 1]) is None
     # the built-in trainer on the same profile: two CPU ranks per node
     builtin = load_job_config(str(REPO / "examples" / "job_local_demo.yaml"))
     assert builtin.trainer.module == "hpc_verl.trainer.main"

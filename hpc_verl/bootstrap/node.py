@@ -34,6 +34,7 @@ from hpc_verl.bootstrap.ports import block_shift, busy_ports, pick_node_ports
 from hpc_verl.bootstrap.raydir import ray_dir, ray_env, read_json, read_plan, write_node_state
 from hpc_verl.bootstrap.timing import (RAYLET_REAP_S, REACH_EVERY_S, REACH_GRACE_S, REACH_PROBE_S,
                                       SUPERVISOR_POLL_S)
+from hpc_verl.util.cpus import vllm_cpu_bind
 from hpc_verl.util.rayready import RAYLET_ENV, worker_env
 from hpc_verl.errors import FAILURE_FILE_NAME, BootstrapError, record_failure
 from hpc_verl.util.fs import atomic_write_json
@@ -121,6 +122,9 @@ class NodeSupervisor:
         # ray start would otherwise pick up ~/.ray/auth_token of whoever runs it
         self.env.pop("RAY_AUTH_TOKEN", None)
         self.env.pop("RAY_ADDRESS", None)
+        bind = vllm_cpu_bind(self.env)
+        if bind:  # several engine ranks on a CPU node: one CPU set each (the raylet's workers inherit it)
+            self.env["VLLM_CPU_OMP_THREADS_BIND"] = bind
 
     def state(self, **kw: Any) -> None:
         write_node_state(self.job_dir, self.node, node=self.node, role="head" if self.is_head else "worker",

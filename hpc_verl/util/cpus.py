@@ -102,3 +102,33 @@ def profile_rank_check(scheduler: str, cpus_per_task: int, env: Mapping[str, str
     """``plan`` and ``doctor`` on a CPU profile: (ranks against CPUs, the refusal or None)."""
     usable = profile_cpus(scheduler, cpus_per_task, env)
     return rank_line(ranks, usable), rank_problem(ranks, usable, ranks_key)
+
+
+#: set by the job (a verl job on a CPU profile whose rollout replica has several ranks in a node): how
+#: many CPU sets the node's CPUs are cut into, one per rank of an engine (``VLLM_CPU_OMP_THREADS_BIND``)
+CPU_SETS_ENV = "HPCV_CPU_SETS_PER_NODE"
+
+
+def cpu_sets(cpus: list[int], sets: int) -> list[list[int]]:
+    """``cpus`` cut into ``sets`` contiguous sets, as even as they come (at least one CPU each)."""
+    cpus = sorted(cpus)
+    if sets < 1 or len(cpus) < sets:
+        raise ValueError(f"cannot cut {len(cpus)} CPU(s) into {sets} set(s)")
+    bounds = [round(i * len(cpus) / sets) for i in range(sets + 1)]
+    return [cpus[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def vllm_cpu_bind(env: Mapping[str, str], cpus: list[int] | None = None) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for this node: one CPU set per engine rank (``0|1``), from the CPUs
+    this process may use; None where the job asks for none or sets the variable itself. vLLM-CPU's own
+    ("auto") binds one NUMA node per rank and refuses more ranks than NUMA nodes."""
+    try:
+        sets = int(env.get(CPU_SETS_ENV, "0") or 0)
+    except ValueError:
+        return None
+    if sets < 2 or env.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    if len(cpus) < sets:
+        return None   # fewer CPUs than ranks: leave vLLM's choice (the profile check refuses this before)
+    return "|".join(",".join(map(str, s)) for s in cpu_sets(cpus, sets))

@@ -251,7 +251,8 @@ def _verl_cpu(profile: Profile, job: JobConfig) -> dict[str, Any] | None:
     user = job.trainer_override_args()
     ranks = profile.cpu.ranks_per_node
     return {"gpus_per_node": ranks, "num_cpus": rules.ray_cpus(user, ranks),
-            "env": rules.env(profile.env.vars), "overrides": rules.derived_overrides(user)}
+            "env": rules.env(profile.env.vars) + rules.cpu_set_env(user, ranks),
+            "overrides": rules.derived_overrides(user)}
 
 
 def job_env(profile: Profile, job: JobConfig) -> list[tuple[str, str, str]]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.util.cpus import CPU_PROFILE_RANKS_PER_NODE
+from hpc_verl.util.cpus import CPU_PROFILE_RANKS_PER_NODE, CPU_SETS_ENV
 from hpc_verl.util.versions import version_tuple
 
 PLUGIN_MODULE = "hpc_verl.verl_upstream.cpu.plugin"
@@ -211,3 +211,19 @@ def shared_tmp_notes(resolved: Mapping[str, Any], nnodes: int, ranks_per_node: i
             "(network.allow_loopback): verl names its weight-sync socket after the node-local rank under /tmp, so "
             f"the first weight sync hangs (the stall watchdog ends it); set cpu.ranks_per_node: {tp} to keep a "
             "replica inside one node"]
+
+
+def cpu_set_env(user_overrides: Sequence[str], ranks_per_node: int) -> list[tuple[str, str, str]]:
+    """A vLLM replica with several ranks in a node (``tensor_model_parallel_size`` > 1 and
+    ``cpu.ranks_per_node`` > 1): each node cuts its CPUs into one set per rank of the replica
+    (``VLLM_CPU_OMP_THREADS_BIND``, made on the node from its own CPUs). vLLM-CPU's automatic binding
+    gives each rank a NUMA node of its own and refuses ("Not enough allowed NUMA nodes to bind threads of
+    2 local CPUWorkers") where a node has fewer NUMA nodes than ranks."""
+    tp = _user_values(user_overrides).get(f"{ROLLOUT}.tensor_model_parallel_size")
+    try:
+        local = min(int(str(tp)), ranks_per_node) if tp is not None else 1
+    except ValueError:
+        local = 1
+    if local < 2:
+        return []
+    return [(CPU_SETS_ENV, str(local), "one CPU set per vLLM rank in a node (VLLM_CPU_OMP_THREADS_BIND)")]
