@@ -206,6 +206,7 @@ def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topolog
     log = batch_log(run_dir)
     assert "from now on no step for 60 s ends the job (watchdog.stall_timeout_s)" in log
     status = _status(bed, job_id, env)
+    print(status)
     assert re.search(r"stalled: no step for \d+ s after step \d+", status), status
     # where each rank waits, the stopped one first
     assert re.search(rf"waiting at: node\d pid {ranks[-1]} ray::WorkerDict \[stopped\] in .*\.py:\d+\)", status), status
@@ -241,6 +242,7 @@ def test_a_real_hang_in_verls_first_weight_sync_is_caught_and_located(verl_bed):
     assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=600) == "FAILED", \
         batch_log(run_dir)[-4000:]
     status = _status(bed, job_id, env)
+    print(status)
     assert "stalled: no step for" in status and "after the train stage started" in status, status
     # where the ranks wait: verl's weight transfer (the ZMQ send/recv of the first sync)
     assert "bucketed_weight_transfer.py:" in status, status
