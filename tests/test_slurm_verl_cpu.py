@@ -112,12 +112,13 @@ def test_real_verl_on_two_nodes_two_ranks_each_tp2_requeues_across_nodes_and_res
     job_id, run_dir = submit(bed, "testbed-cpu", job, env=env)
 
     # run 1: verl trains; then the admin shortens the job, and verl saves before the new end
-    _until("verl made no step", lambda: len(_steps(run_dir)) >= 2, run_dir, 420)
+    # (four ranks and two TP=2 vLLM engines start in minutes on the test bed's 2 loaded cores)
+    _until("verl made no step", lambda: len(_steps(run_dir)) >= 2, run_dir, 900)
     elapsed = time.time() - datetime.fromisoformat(
         bed.slurm("squeue", "-h", "-j", str(job_id), "-o", "%S").stdout.strip()).timestamp()
     assert bed.slurm("scontrol", "update", f"JobId={job_id}", f"TimeLimit={int(elapsed // 60) + 4}").returncode == 0
     _until("verl did not save before the limit",
-           lambda: "Force saving checkpoint: ESI instance expiration approaching." in batch_log(run_dir), run_dir, 120)
+           lambda: "Force saving checkpoint: ESI instance expiration approaching." in batch_log(run_dir), run_dir, 240)
     esi_step = max(_steps(run_dir))
     assert esi_step < STEPS and "time limit changed: job" in batch_log(run_dir)
 
@@ -127,12 +128,12 @@ def test_real_verl_on_two_nodes_two_ranks_each_tp2_requeues_across_nodes_and_res
     def requeued() -> bool:
         info = slurm.job_info(job_id, env=bed.env)
         return info is not None and info.restarts >= 1
-    _until("not requeued", requeued, run_dir, 180)
+    _until("not requeued", requeued, run_dir, 300)
     bed.wait_requeue_settled(job_id)
     assert bed.slurm("scontrol", "update", f"JobId={job_id}", "TimeLimit=30").returncode == 0
     time.sleep(2)
     slurm.release_requeued(job_id, env=bed.env)
-    assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=600) == "COMPLETED", \
+    assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=1200) == "COMPLETED", \
         batch_log(run_dir)[-6000:]
 
     log = batch_log(run_dir)
@@ -195,7 +196,7 @@ def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topolog
     # two nodes, one rank each: world size 2; a rank is stopped after step 2
     job = _job(verl_bed, "verlstall", **SAME_MATHS, **{"trainer.total_training_steps": 40})
     job_id, run_dir = submit(bed, "testbed-cpu-1rank", job, "watchdog.stall_timeout_s=60", env=env)
-    _until("verl made no second step", lambda: max(_steps(run_dir), default=0) >= 2, run_dir, 420)
+    _until("verl made no second step", lambda: max(_steps(run_dir), default=0) >= 2, run_dir, 900)
     ranks = _job_pids(run_dir, "ray::WorkerDict")
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGSTOP)
