@@ -125,14 +125,15 @@ def make_plan(profile: Any, nodes: int, model_size: str = "7B", gpu_mem_gb: floa
     gpn = profile.slurm.gpus_per_node if mem is not None else 0
     plan = Plan(profile.name, nodes, gpn, params_b, mem, mem_src)
     rows = plan.rows
-    workers = max(1, nodes * gpn)
+    cpu_ranks = profile.cpu.ranks_per_node
+    workers = max(1, nodes * gpn) if mem else nodes * cpu_ranks
     add = rows.append
 
     add(Recommendation("trainer.nnodes", str(nodes), "set by hpc-verl from --nodes (do not type it)", "derived"))
-    add(Recommendation("trainer.n_gpus_per_node", str(max(gpn, 1) if mem else 1),
-                       f"set by hpc-verl from profile slurm.gpus_per_node ({profile.slurm.gpus_per_node})"
-                       + ("" if mem else "; CPU: one worker"),
-                       "derived"))
+    add(Recommendation("trainer.n_gpus_per_node", str(max(gpn, 1)), f"set by hpc-verl from profile "
+                       f"slurm.gpus_per_node ({profile.slurm.gpus_per_node})", "derived") if mem else
+        Recommendation("trainer.n_gpus_per_node", str(cpu_ranks), f"set by hpc-verl from profile "
+                       f"cpu.ranks_per_node ({cpu_ranks}): CPU ranks per node", "derived"))
     if not mem:
         from hpc_verl.util.cpus import profile_rank_check
         ranks = profile.cpu.ranks_per_node
