@@ -152,6 +152,10 @@ def test_a_cpu_profile_gives_each_node_several_ranks(tmp_path, cli):
     assert builtin.trainer.module == "hpc_verl.trainer.main"
     assert dict(derived_overrides(profile, builtin))["trainer.n_gpus_per_node"] == "2"
     assert dict(derived_overrides(load_profile("local"), builtin))["trainer.n_gpus_per_node"] == "$HPCV_GPUS_PER_NODE"
+    # hpc-verl plan on the profile: the ranks it will get
+    from hpc_verl.ops.scaling import make_plan
+    rows = {r.key: r.value for r in make_plan(profile, 1).rows}
+    assert rows["trainer.n_gpus_per_node"] == "2" and rows["CPU ranks"] == "2"
     # refusals: one line each
     for overrides, words in ((["accelerator=nvidia", "slurm.gpus_per_node=4", "cpu.ranks_per_node=2"],
                               "cpu.ranks_per_node is 2 but accelerator is 'nvidia'"),
