@@ -24,4 +24,6 @@ def add_plan_arguments(parser: argparse.ArgumentParser, *, profile_required: boo
     parser.add_argument("--config", metavar="JOB.yaml", help="job config (trainer, data, model)")
     add_set_argument(parser)
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="trainer overrides, e.g. trainer.total_epochs=2")
+                        help="trainer overrides, e.g. trainer.total_epochs=2; or, after '--', the trainer command "
+                             "itself: -- python3 -m verl.trainer.main_ppo [--config-name NAME] key=value ...")
+    parser.set_defaults(command=[])

@@ -23,9 +23,10 @@ VERB_MODULES: tuple[str, ...] = (
     "train", "preprocess", "make_tiny_model", "check_model", "plot",
     "dashboard",
 )
-# Verbs that run a command given after `--` (`hpc-verl attach JOB -- hostname`): it reaches them
-# untouched, as args.command, whatever options it has.
-COMMAND_VERBS: tuple[str, ...] = ("attach",)
+# Verbs that take a command given after `--` (`hpc-verl attach JOB -- hostname`, `hpc-verl submit
+# --profile P -- python3 -m verl.trainer.main_ppo ...`): it reaches them untouched, as args.command,
+# whatever options it has.
+COMMAND_VERBS: tuple[str, ...] = ("attach", "submit", "render", "validate")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
     from hpc_verl.errors import RenderError
     from hpc_verl.launch.spec.launch_plan import build_plan, validate_script
 
-    plan = build_plan(args.profile, args.config, args.overrides, profile_overrides=args.sets)
+    plan = build_plan(args.profile, args.config, args.overrides, profile_overrides=args.sets,
+                      command=args.command)
     if args.check:
         problems = validate_script(plan.script)
         if problems:

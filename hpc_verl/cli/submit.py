@@ -1,5 +1,5 @@
-"""``hpc-verl submit --profile NAME [--config JOB.yaml] [--set k=v] [key=value ...] [--dry-run] [--detach]``,
-``hpc-verl submit --resume JOB``."""
+"""``hpc-verl submit --profile NAME [--config JOB.yaml] [--set k=v] [key=value ...] [--dry-run] [--detach]
+[-- python3 -m MODULE ARGS...]``, ``hpc-verl submit --resume JOB``."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from hpc_verl.launch import backends
 
     request = backends.SubmitRequest(profile=args.profile, config=args.config, overrides=tuple(args.overrides),
-                                     sets=tuple(args.sets), name=args.name, ray_address=args.ray_address,
+                                     command=tuple(args.command), sets=tuple(args.sets), name=args.name,
+                                     ray_address=args.ray_address,
                                      ray_token_file=args.ray_token_file, cluster=args.cluster, detach=args.detach,
                                      resume=args.resume)
     backend = backends.for_request(request)

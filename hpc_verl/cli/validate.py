@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     failed = 0
     for name in names:
         try:
-            plan = build_plan(name, args.config, args.overrides, profile_overrides=args.sets)
+            plan = build_plan(name, args.config, args.overrides, profile_overrides=args.sets,
+                              command=args.command)
             problems = validate_script(plan.script, shellcheck=not args.no_shellcheck)
         except HpcVerlError as exc:
             if not args.all:

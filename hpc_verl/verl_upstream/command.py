@@ -144,9 +144,11 @@ def _derive(values: dict[str, str | None], key: str, actual: int, alloc: Allocat
     except ValueError:
         same = False
     if not same:
+        pkey = {"trainer.nnodes": "slurm.nodes", "trainer.n_gpus_per_node": "slurm.gpus_per_node"}.get(key)
+        fix = (f"ask for that allocation with --set {pkey}={given}, or set {key}={actual}" if pkey
+               else f"drop the override (hpc-verl sets {key}={actual})")
         raise ConfigError(f"override '{key}={given}' disagrees with {alloc.source}, which has {actual} {what}; "
-                          f"hpc-verl sets {key} from the allocation: drop the override (or change the "
-                          "allocation)")
+                          f"{fix}")
     return [f"{key}={actual}"]
 
 

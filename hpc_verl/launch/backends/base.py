@@ -128,6 +128,7 @@ class SubmitRequest:
     config: Optional[str] = None
     overrides: Sequence[str] = ()
     sets: Sequence[str] = ()
+    command: Sequence[str] = ()    # the trainer command given after `--` (python3 -m MODULE ARGS...)
     name: Optional[str] = None
     ray_address: Optional[str] = None
     ray_token_file: Optional[str] = None

@@ -298,7 +298,7 @@ class LocalBackend(ScriptBackend):
         """``--profile local`` without ``--config`` runs the embedded demo job (newcomers start there)."""
         from hpc_verl.launch.spec.jobconfig import job_from_dict, load_job_config
 
-        if request.config is not None or Path(request.profile or "").stem != "local":
+        if request.config is not None or request.command or Path(request.profile or "").stem != "local":
             return super().job_config(request)
         job = job_from_dict(demo_job_dict(), "(built-in local demo job)")
         if request.overrides:
@@ -327,7 +327,7 @@ class LocalBackend(ScriptBackend):
 
     def _resume(self, request: SubmitRequest) -> DryRun:
         """The job of ``--resume`` as it was submitted, to run again in its own run directory."""
-        if (request.config or request.overrides or request.sets or request.name or request.profile
+        if (request.config or request.overrides or request.command or request.sets or request.name or request.profile
                 or request.ray_address or request.cluster):
             raise ConfigError("--resume JOB runs that job again as it was submitted; leave out --profile, --config, "
                               "--set, --name, --ray-address, --cluster and overrides (or submit a new job)")

@@ -46,7 +46,7 @@ class ScriptBackend(Backend):
         """The job config of a request (``--config`` plus trainer overrides)."""
         from hpc_verl.launch.spec.jobconfig import load_job_config
 
-        return load_job_config(request.config, list(request.overrides))
+        return load_job_config(request.config, list(request.overrides), list(request.command) or None)
 
     def check_inputs(self, job: Any) -> None:
         """Checks that only hold where the job runs (nothing to check for a remote scheduler)."""
@@ -88,7 +88,11 @@ class ScriptBackend(Backend):
             raise ConfigError(f"profile {first.name} uses scheduler '{first.scheduler}'; the {self.scheduler} "
                               f"backend runs '{self.runs_profiles}' profiles")
         self.check_inputs(job)
-        sets = [*request.sets, *self.profile_sets(first, request.sets)]
+        sets = list(request.sets)
+        if not request.hold:  # the job's own size asks for the allocation (job_size)
+            from hpc_verl.launch.spec.job_size import size_sets
+            sets += size_sets(first, job, request.sets)
+        sets += self.profile_sets(first, request.sets)
         job_dir = registry.new_job_dir(job.name)
         try:
             profile = _load_profile(request.profile, [*sets, f"paths.job_root={job_dir}"])

@@ -179,8 +179,10 @@ def job_from_dict(data: dict[str, Any], where: str) -> JobConfig:
     return job
 
 
-def load_job_config(path: Optional[str], overrides: Optional[list[str]] = None) -> JobConfig:
-    """Job file (or the built-in default) plus ``key=value`` trainer overrides from the command line."""
+def load_job_config(path: Optional[str], overrides: Optional[list[str]] = None,
+                    command: Optional[list[str]] = None) -> JobConfig:
+    """Job file (or the built-in default) plus ``key=value`` trainer overrides from the command line,
+    then the trainer command given after ``--`` (``trainer_command``), if any."""
     if path is None:
         job = JobConfig()
     else:
@@ -194,4 +196,7 @@ def load_job_config(path: Optional[str], overrides: Optional[list[str]] = None) 
             if problem:
                 raise _ctx("(command line)").fail(f"trainer override {key!r}", problem)
         job.trainer.overrides[key] = value
+    if command:
+        from hpc_verl.launch.spec.trainer_command import apply_trainer_command
+        apply_trainer_command(job, command)
     return job

@@ -84,23 +84,33 @@ class LaunchPlan:
 
 def build_plan(profile: Union[Profile, str], job_config: Union[JobConfig, str, None] = None,
                overrides: Optional[list[str]] = None, *, profile_overrides: Optional[list[str]] = None,
-               hold: bool = False, job_id: Optional[int] = None) -> LaunchPlan:
-    """Resolve inputs and render. ``overrides`` are trainer ``key=value``; ``profile_overrides`` are ``--set``.
+               hold: bool = False, job_id: Optional[int] = None, command: Optional[list[str]] = None) -> LaunchPlan:
+    """Resolve inputs and render. ``overrides`` are trainer ``key=value``; ``profile_overrides`` are ``--set``;
+    ``command``: the trainer command given after ``--`` (``trainer_command``).
 
     ``hold``: a cluster job (``hpc-verl cluster up``) that keeps Ray up in place of training,
     so its trainer is not checked. ``job_id``: fixed into the script (a local job, whose run
-    directory must stay the same when the script runs again); default ``$SLURM_JOB_ID``."""
-    if not isinstance(profile, Profile):
-        profile = load_profile(profile, profile_overrides)
-    elif profile_overrides:
-        profile = load_profile(profile.source or profile.name, profile_overrides)
+    directory must stay the same when the script runs again); default ``$SLURM_JOB_ID``.
+    The job's own size (``trainer.nnodes``/``trainer.n_gpus_per_node``) asks for the allocation
+    of a profile given by name (``job_size``)."""
     if isinstance(job_config, JobConfig):
         job = job_config
-        if overrides:
-            extra = load_job_config(None, overrides)
+        if overrides or command:
+            extra = load_job_config(None, overrides, command)
             job.trainer.overrides.update(extra.trainer.overrides)
+            if command:
+                job.trainer.module, job.trainer.args = extra.trainer.module, extra.trainer.args or job.trainer.args
     else:
-        job = load_job_config(job_config, overrides)
+        job = load_job_config(job_config, overrides, command)
+    if not isinstance(profile, Profile) or profile_overrides:
+        name = profile if not isinstance(profile, Profile) else (profile.source or profile.name)
+        sets = list(profile_overrides or [])
+        profile = load_profile(name, sets)
+        if not hold:
+            from hpc_verl.launch.spec.job_size import size_sets
+            extra_sets = size_sets(profile, job, sets)
+            if extra_sets:
+                profile = load_profile(name, [*sets, *extra_sets])
     if not hold:  # trainer keys and batch arithmetic, before anything is rendered or submitted
         from hpc_verl.launch.spec.trainer_check import validate_job_trainer
         validate_job_trainer(profile, job)

@@ -35,6 +35,7 @@ STAGES = ("validate", "preprocess", "model-check", "ray-up", "train", "collect")
 SBATCH_TEMPLATE = "job.sbatch.j2"
 _SBATCH_SAFE = re.compile(r"^[A-Za-z0-9_.,:/@%+=\[\]-]+$")
 REQUEUE_EXIT_VAR = "HPC_VERL_REQUEUE_EXIT_CODE"  # the variable hpc_verl.errors reads the code from
+VERL_HYDRA_RUN_DIR = "hydra.run.dir"  # where verl's Hydra writes its outputs/ (derived: the run directory)
 
 
 def job_stages(hold: bool = False) -> tuple[str, ...]:
@@ -219,6 +220,8 @@ def derived_overrides(profile: Profile, job: JobConfig) -> list[tuple[str, str]]
     if _is_verl(job):
         from hpc_verl.verl_upstream.expiry import derived_overrides as verl_expiry_overrides
         wanted += verl_expiry_overrides(profile.slurm.signal_lead_s)
+        # verl's Hydra writes outputs/<date>/<time>/ into the working directory: keep it in the run
+        wanted.append((VERL_HYDRA_RUN_DIR, "$HPCV_RUN_DIR/hydra"))
         cpu = _verl_cpu(profile, job)
         if cpu is not None:  # CPU nodes: logical GPUs, and the settings CPU needs
             wanted = [(k, str(cpu["gpus_per_node"]) if k == "trainer.n_gpus_per_node" else v) for k, v in wanted]
