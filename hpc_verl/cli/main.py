@@ -21,7 +21,7 @@ VERB_MODULES: tuple[str, ...] = (
     "profiles", "render", "validate", "submit", "jobs", "attach", "cluster",
     "doctor", "plan",
     "train", "preprocess", "make_tiny_model", "check_model", "plot",
-    "dashboard",
+    "dashboard", "import_verl",
 )
 # Verbs that take a command given after `--` (`hpc-verl attach JOB -- hostname`, `hpc-verl submit
 # --profile P -- python3 -m verl.trainer.main_ppo ...`): it reaches them untouched, as args.command,
