@@ -89,21 +89,21 @@ def _our_processes(sid: int, tag: str) -> list[int]:
 
 
 def start_ray_head(token_auth: bool = True, num_cpus: int = 2, timeout_s: float = 90,
-                   attempts: int = 2) -> RayHead:
+                   attempts: int = 2, num_gpus: int = 0) -> RayHead:
     """``ray start --head --block`` on free ports with its own temp dir (and a token).
 
     A port picked as free can be taken by someone else before Ray binds it: one retry
     with fresh ports."""
     for attempt in range(attempts):
         try:
-            return _start_once(token_auth, num_cpus, timeout_s)
+            return _start_once(token_auth, num_cpus, timeout_s, num_gpus)
         except RuntimeError:
             if attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_once(token_auth: bool, num_cpus: int, timeout_s: float) -> RayHead:
+def _start_once(token_auth: bool, num_cpus: int, timeout_s: float, num_gpus: int = 0) -> RayHead:
     root = Path(tempfile.mkdtemp(prefix="hvray"))  # short: Ray's unix socket paths have a limit
     (root / "cwd").mkdir()
     token_file = root / "token"
@@ -129,7 +129,7 @@ def _start_once(token_auth: bool, num_cpus: int, timeout_s: float) -> RayHead:
            f"--object-manager-port={om}", f"--dashboard-agent-listen-port={ag_http}",
            f"--dashboard-agent-grpc-port={ag_grpc}", f"--runtime-env-agent-port={rt_env}",
            f"--metrics-export-port={metrics}", "--min-worker-port=0", "--max-worker-port=0",
-           f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=100000000",
+           f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--object-store-memory=100000000",
            f"--temp-dir={root / 'r'}"]
     log = open(root / "start.log", "wb")
     proc = subprocess.Popen(cmd, cwd=root / "cwd", env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -10,6 +10,7 @@ cluster up`` (its address, token and profile come from the registry).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -125,12 +126,13 @@ def new_submission_id(name: str) -> str:
 
 
 def runtime_env_for(driver: DriverSpec, profile_env: Mapping[str, Any], options: RayJobOptions,
-                    base_dir: Optional[str | Path] = None) -> dict[str, Any]:
+                    base_dir: Optional[str | Path] = None, needs_hpc_verl: bool = False) -> dict[str, Any]:
     """profile environment (NCCL block etc.) + the job's own env, files and packages; when files
-    are uploaded, the upload guard's default excludes before the job's own (``upload.excludes_for``)."""
+    are uploaded, the upload guard's default excludes before the job's own (``upload.excludes_for``).
+    ``needs_hpc_verl``: the job's workers import hpc_verl (verl's CPU plugin), whatever the driver."""
     env_vars = {**{k: str(v) for k, v in profile_env.items()}, **options.env_vars}
     py_modules = list(options.py_modules)
-    if options.ships_hpc_verl(driver.runs_hpc_verl):
+    if options.ships_hpc_verl(driver.runs_hpc_verl or needs_hpc_verl):
         py_modules.append(hpc_verl_package_dir())
     env = build_runtime_env(env_vars, working_dir=options.working_dir, pip=options.pip, py_modules=py_modules,
                             base_dir=base_dir)
@@ -177,10 +179,79 @@ def driver_for(profile: Any, job: Any, job_dir: Optional[Path] = None) -> tuple[
     with the job's overrides and the launcher's derived ones; returns (driver, skipped keys)."""
     derived, skipped = derived_overrides(profile, job, job_dir)
     args = [*job.trainer.args, *job.trainer_override_args(), *derived]
-    if job.ray_job.command:
-        return DriverSpec.for_command(job.ray_job.command, args), skipped
     python = profile.ray.python if profile is not None else "python3"
-    return DriverSpec.for_module(job.trainer.module, args, python), skipped
+    if job.ray_job.command:
+        driver = DriverSpec.for_command(job.ray_job.command, args)
+    else:
+        driver = DriverSpec.for_module(job.trainer.module, args, python)
+    plan = stage_plan(job)
+    if plan:  # preprocess / model-check run in the driver first, as the batch script runs them
+        driver = DriverSpec([python, "-m", STAGES_MODULE, "--plan", json.dumps(plan, sort_keys=True), "--",
+                             *driver.argv])
+    return driver, skipped
+
+
+STAGES_MODULE = "hpc_verl.bootstrap.stages"
+
+
+def stage_plan(job: Any) -> dict[str, Any]:
+    """What ``hpc_verl.bootstrap.stages`` runs before the trainer (empty: no stage applies)."""
+    plan: dict[str, Any] = {}
+    if job.data.raw:
+        plan["preprocess"] = {"module": job.data.preprocess_module, "input": job.data.raw, "output": job.data.dir,
+                              "train_file": job.data.train_file, "args": list(job.data.preprocess_args)}
+    if job.model.check and job.model.path:
+        plan["model_check"] = job.model.path
+    return plan
+
+
+def anchor_paths(job: Any, base: Path) -> Any:
+    """Relative data and model paths taken from the submit directory, as a batch job takes them (the
+    cluster shares the filesystem); with ``ray_job.working_dir`` they stay relative to the upload."""
+    if job.ray_job.working_dir:
+        return job
+    for section, key in (("data", "raw"), ("data", "dir"), ("model", "path")):
+        value = getattr(getattr(job, section), key)
+        if value and "://" not in value and not os.path.isabs(value):
+            setattr(getattr(job, section), key, str(base / value))
+    return job
+
+
+def held_profile(crec: Any) -> Any:
+    """The resolved profile a held cluster was started with (its ``--set`` values included)."""
+    from hpc_verl.errors import ProfileError
+    from hpc_verl.profiles.schema import build_profile
+
+    path = Path(crec.job_dir) / "profile.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ProfileError(f"cluster job {crec.job_id}: its profile {path} cannot be read ({exc}); give "
+                           "--profile NAME") from None
+    data.pop("name", None)
+    profile = build_profile(crec.profile, data, lambda _key: f"cluster job {crec.job_id}'s profile.json")
+    profile.source = str(path)
+    return profile
+
+
+KNOWN_TRAINERS = (VERL_TRAINER_MODULE, TrainerSpec().module)
+
+
+def ray_need(profile: Any, job: Any) -> Any:
+    """What an upstream verl job asks of the Ray cluster (placement.Need); None for other trainers."""
+    from hpc_verl.launch.spec.placement import Need
+    from hpc_verl.verl_upstream.command import runs_verl
+    from hpc_verl.verl_upstream.cpu import rules
+
+    if job.ray_job.command or not runs_verl(job):
+        return None
+    nodes = int(str(job.trainer.overrides.get("trainer.nnodes", profile.slurm.nodes)))
+    if rules.applies(profile, job):
+        user = job.trainer_override_args()
+        gpus = rules.LOGICAL_GPUS_PER_NODE
+        return Need(nodes, gpus, rules.ray_cpus(user, gpus), why="verl on CPU (logical GPU slots)")
+    gpus = int(str(job.trainer.overrides.get("trainer.n_gpus_per_node", profile.slurm.gpus_per_node)))
+    return Need(nodes, gpus, 0.0, why="verl")
 
 
 @dataclass
@@ -196,6 +267,7 @@ class RaySubmission:
     entrypoint_num_cpus: Optional[float] = None
     entrypoint_num_gpus: Optional[float] = None
     skipped_overrides: list[str] = field(default_factory=list)
+    need: Optional[Any] = None  # placement.Need: what the cluster must have (checked before sending)
     uploads: list[upload.Upload] = field(default_factory=list, repr=False)  # measured by the upload guard
 
     def summary(self) -> str:
@@ -207,6 +279,10 @@ class RaySubmission:
         if self.uploads:
             lines.append("upload    " + ", ".join(u.line() for u in self.uploads)
                          + f" (Ray's limit: {upload.mib(upload.upload_limit_bytes())} each)")
+        if self.need is not None:
+            lines.append(f"needs     {self.need.nodes} node(s) with {self.need.gpus:g} GPU slot(s)"
+                         + (f" and {self.need.cpus:g} CPUs" if self.need.cpus else "")
+                         + " each (checked against the cluster before sending)")
         if self.skipped_overrides:
             lines.append(f"left out  {', '.join(self.skipped_overrides)} (no profile: the trainer config decides)")
         return "\n".join(lines)
@@ -225,8 +301,9 @@ class RayJobsBackend(Backend):
     def accepts(self, request: SubmitRequest) -> bool:
         return bool(request.ray_address or request.cluster)
 
-    def _target(self, request: SubmitRequest) -> tuple[str, Optional[str], Optional[str]]:
-        """(address, token file, profile name) of the request's cluster."""
+    def _target(self, request: SubmitRequest) -> tuple[str, Optional[str], Any]:
+        """(address, token file, profile) of the request's cluster: a held cluster's own resolved
+        profile, else ``--profile`` (with ``--set`` and the job's size, ``job_size``), else None."""
         if not request.cluster:
             return api.normalize_address(request.ray_address or ""), request.ray_token_file, request.profile
         if request.ray_address:
@@ -235,22 +312,34 @@ class RayJobsBackend(Backend):
 
         crec = registry.find_cluster(request.cluster)
         address, token_file = for_record(crec).jobs_api(crec)
-        return address, request.ray_token_file or token_file, request.profile or crec.profile
+        if request.profile:
+            return address, request.ray_token_file or token_file, request.profile
+        if request.sets:
+            raise ConfigError(f"--set changes a profile, and cluster job {crec.job_id} runs with the one it was "
+                              "started with; give the --set values to 'hpc-verl cluster up' (or add --profile NAME)")
+        return address, request.ray_token_file or token_file, held_profile(crec)
 
     def dryrun(self, request: SubmitRequest) -> DryRun:
         """Without a profile no environment block is sent (the cluster's own environment applies)
         and node/GPU counts are left to the trainer's config."""
         from hpc_verl.launch.spec.jobconfig import load_job_config
 
-        address, token_file, profile_name = self._target(request)
-        profile = None
-        if profile_name:
+        address, token_file, profile = self._target(request)
+        job = load_job_config(request.config, list(request.overrides), list(request.command) or None)
+        job = anchor_paths(job.rename(request.name), Path.cwd())
+        if isinstance(profile, str):
+            from hpc_verl.launch.spec.job_size import size_sets
             from hpc_verl.profiles import load_profile
 
-            profile = load_profile(profile_name, list(request.sets))
-        elif request.sets:
+            first = load_profile(profile, list(request.sets))
+            extra = size_sets(first, job, request.sets)
+            profile = load_profile(profile, [*request.sets, *extra]) if extra else first
+        elif profile is None and request.sets:
             raise ConfigError("--set changes a profile; give --profile NAME too")
-        job = load_job_config(request.config, list(request.overrides)).rename(request.name)
+        if profile is not None and not job.ray_job.command and job.trainer.module in KNOWN_TRAINERS:
+            # the same checks as a batch job (launch_plan.build_plan): keys, arithmetic, CPU rules
+            from hpc_verl.launch.spec.trainer_check import validate_job_trainer
+            validate_job_trainer(profile, job)
         token_path = str(Path(token_file).expanduser().resolve()) if token_file else None
         job_dir = registry.new_job_dir(job.name)
         try:
@@ -273,25 +362,34 @@ class RayJobsBackend(Backend):
                     job_dir: Path) -> RaySubmission:
         """The job's driver and runtime_env; checkpoints go to ``JOB_DIR/checkpoints`` as in the sbatch
         path, relative ``ray_job`` paths are taken from the job config's directory."""
-        from hpc_verl.launch.spec.render import env_block
+        from hpc_verl.launch.spec.render import job_env
 
         driver, skipped = driver_for(profile, job, job_dir)
         base_dir = Path(job.source).resolve().parent if job.source and Path(job.source).is_file() else None
-        profile_env = {name: value for name, value, _why in env_block(profile)} if profile is not None else {}
+        # the profile's environment and what the trainer needs (a verl job on CPU: its platform), as a batch job
+        profile_env = {name: value for name, value, _why in job_env(profile, job)} if profile is not None else {}
         opts = job.ray_job
-        runtime_env = runtime_env_for(driver, profile_env, opts, base_dir)
+        need = ray_need(profile, job) if profile is not None else None
+        runtime_env = runtime_env_for(driver, profile_env, opts, base_dir,
+                                      needs_hpc_verl=need is not None and need.why.startswith("verl on CPU"))
         uploads = upload.check_uploads(runtime_env)  # over Ray's limit: one line now, nothing sent
         return RaySubmission(address=address, submission_id=new_submission_id(job.name), entrypoint=driver.entrypoint(),
                              runtime_env=runtime_env, token_file=token_file,
                              metadata={"hpc_verl_name": job.name, "hpc_verl_profile": profile.name if profile else ""},
                              entrypoint_num_cpus=opts.entrypoint_num_cpus, entrypoint_num_gpus=opts.entrypoint_num_gpus,
-                             skipped_overrides=skipped, uploads=uploads)
+                             skipped_overrides=skipped, uploads=uploads, need=need)
 
     def submit(self, dry: DryRun) -> JobRecord:
         sub: RaySubmission = dry.payload
         rec = dry.record
         try:
             cluster = api.connect(sub.address, sub.token_file)
+            if sub.need is not None:  # what verl will ask of the cluster, before it waits or fails inside verl
+                from hpc_verl.launch.spec.placement import placement_problem
+
+                problem = placement_problem(cluster.nodes(), sub.need, sub.address)
+                if problem:
+                    raise ConfigError(problem)
             cluster.submit(sub.entrypoint, sub.runtime_env, submission_id=sub.submission_id, metadata=sub.metadata,
                            entrypoint_num_cpus=sub.entrypoint_num_cpus, entrypoint_num_gpus=sub.entrypoint_num_gpus)
         except BaseException:

@@ -27,7 +27,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, TextIO
 
@@ -230,6 +230,26 @@ class RayCluster:
     client_version: str
     cluster_version: str
     token_source: str | None = None
+    headers: dict[str, str] = field(default_factory=dict, repr=False)  # the token header, never printed
+
+    def nodes(self, wait_s: float = 15.0) -> list[dict[str, Any]]:
+        """The cluster's nodes (Ray's state API: ``state``, ``node_ip``, ``resources_total``); a head
+        that has just started lists none for a few seconds, so wait up to ``wait_s`` for one."""
+        import requests
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                resp = requests.get(f"{self.address}/api/v0/nodes", params={"detail": "1", "limit": "10000"},
+                                    headers=self.headers, timeout=DEFAULT_CONNECT_TIMEOUT_S)
+                resp.raise_for_status()
+                found = list(resp.json()["data"]["result"]["result"])
+            except Exception as exc:  # noqa: BLE001 - any failure: one line
+                raise RayJobsError(f"could not read the nodes of the Ray cluster at {self.address} "
+                                   f"({_short_reason(exc)}); check that it is up") from None
+            if found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)
 
     # ------------------------------------------------------------------ jobs
     def submit(self, entrypoint: str, runtime_env: Mapping[str, Any] | None = None, *,
@@ -359,7 +379,8 @@ def connect(address: str, token_file: str | os.PathLike[str] | None = None, *,
         except Exception as exc:  # noqa: BLE001
             raise _translate(exc, "connect to", addr, None) from None
     return RayCluster(address=addr, client=client, client_version=ray.__version__,
-                      cluster_version=cluster_version, token_source=token.source if token else None)
+                      cluster_version=cluster_version, token_source=token.source if token else None,
+                      headers=headers)
 
 
 def _quiet_ray_client_logs() -> None:

@@ -258,6 +258,18 @@ def _verl_cpu(profile: Profile, job: JobConfig) -> dict[str, Any] | None:
             "overrides": rules.derived_overrides(user)}
 
 
+def _held_cpu_slots(profile: Profile) -> dict[str, Any] | None:
+    """A cluster held on CPU nodes (``hpc-verl cluster up``) declares what a verl CPU job sent into it
+    asks for: the logical GPU slots and the CPUs its actors hold (at least the allocation's CPUs)."""
+    if profile.accelerator != "none":
+        return None
+    from hpc_verl.verl_upstream.cpu import rules
+
+    gpus = rules.LOGICAL_GPUS_PER_NODE
+    return {"gpus_per_node": gpus, "num_cpus": max(rules.ray_cpus([], gpus), profile.slurm.cpus_per_task),
+            "env": [], "overrides": []}
+
+
 def job_env(profile: Profile, job: JobConfig) -> list[tuple[str, str, str]]:
     """The job's exported environment: the profile's (``env_block``), then what its trainer needs
     (a verl job on CPU: verl's plugin and platform, vLLM-CPU's settings)."""
@@ -304,7 +316,7 @@ def sbatch_context(profile: Profile, job: JobConfig, hold: bool = False,
         "shm_size": docker_size(c.shm_size),
         "devices": devices,
         "env": job_env(profile, job),
-        "verl_cpu": _verl_cpu(profile, job),
+        "verl_cpu": _verl_cpu(profile, job) or (_held_cpu_slots(profile) if hold else None),
         "trainer_args": [*job.trainer.args, *job.trainer_override_args()],
         "derived": derived_overrides(profile, job),
         "requeue_exit_code": requeue_exit_code(profile),
