@@ -48,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] and argv[0] in COMMAND_VERBS and "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1:]
+        if not command and argv[0] != "attach":  # (attach alone opens a shell)
+            parser.error("nothing after '--': give the trainer command, e.g. -- python3 -m verl.trainer.main_ppo "
+                         "key=value ...")
     args, extra = parser.parse_known_args(argv)
     if command is not None:
         args.command = command

@@ -265,6 +265,8 @@ class _Shell:
                 if status is None:
                     self.note(node.line, "the 'if' here depends on a value that is not known; none of its "
                                          "branches was followed")
+                    self.undecided(node, f"may be set by the 'if' at {self.name}:{node.line}, which depends on a "
+                                         "value that is not known")
                     return None
                 if status:
                     return self.run(body)
@@ -274,6 +276,8 @@ class _Shell:
                 subject = " ".join(self.expand(node.subject.text, node.line, split=False))
             except _Unknown as exc:
                 self.note(node.line, f"the 'case' on {node.subject.text} was not followed: {exc.value.why}")
+                self.undecided(node, f"may be set by the 'case' at {self.name}:{node.line} on "
+                                     f"{node.subject.text}, which is not known")
                 return None
             for patterns, body in node.arms:
                 for p in patterns:
@@ -287,6 +291,11 @@ class _Shell:
         if isinstance(node, sp.Opaque) and node.what != "pipeline":
             self.note(node.line, f"a '{node.what}' is not followed by import-verl")
         return True
+
+    def undecided(self, node: sp.Node, why: str) -> None:
+        """A construct not followed: every variable it may set is not known afterwards."""
+        for name in _assigned(node):
+            self.vars[name] = Unresolved(why)
 
     def assign(self, item: Union[sp.Word, sp.ArrayAssign], line: int) -> None:
         if isinstance(item, sp.ArrayAssign):
@@ -355,6 +364,28 @@ class _Shell:
             finally:
                 self.depth -= 1
         return True  # any other command: not run; its status is taken as success
+
+
+def _assigned(node: Any) -> set[str]:
+    """Names a construct may assign (in any branch)."""
+    names: set[str] = set()
+    if isinstance(node, sp.Simple):
+        for item in node.assigns:
+            names.add(item.name if isinstance(item, sp.ArrayAssign) else item.text.split("=", 1)[0].rstrip("+"))
+        if node.words and node.words[0].text in _DECLARERS:
+            names |= {w.text.split("=", 1)[0] for w in node.words[1:] if "=" in w.text}
+    children: list[Any] = []
+    if isinstance(node, (sp.Group, sp.Function)):
+        children = node.body
+    elif isinstance(node, sp.AndOr):
+        children = node.parts
+    elif isinstance(node, sp.If):
+        children = [n for cond, body in node.branches for n in (*cond, *body)] + node.orelse
+    elif isinstance(node, sp.Case):
+        children = [n for _patterns, body in node.arms for n in body]
+    for child in children:
+        names |= _assigned(child)
+    return names
 
 
 def _test(args: list[Union[str, Unresolved]]) -> Optional[bool]:
