@@ -325,13 +325,17 @@ class _Shell:
         if not words:
             return True
         cmd = words[0]
+        for k in range(1, len(words) - 1):
+            if words[k] == "-m" and isinstance(words[k + 1], str) and (
+                    isinstance(words[k - 1], Unresolved) or is_python(str(words[k - 1]))):
+                if isinstance(words[k - 1], Unresolved):  # the job runs the profile's Python anyway
+                    self.note(node.line, f"the Python before -m is not known ({words[k - 1].why}); the job "
+                                         "runs the profile's Python (ray.python)")
+                self.trainers.append((node.line, ["python3", *words[k:]]))
+                return True
         if isinstance(cmd, Unresolved):
             self.note(node.line, f"a command whose name is not known was not followed: {cmd.why}")
             return None
-        for k in range(1, len(words) - 1):
-            if words[k] == "-m" and isinstance(words[k - 1], str) and is_python(str(words[k - 1])):
-                self.trainers.append((node.line, words[k - 1:]))
-                return True
         if cmd in _DECLARERS:
             for w in node.words[1:]:
                 if w.text.startswith("-"):
