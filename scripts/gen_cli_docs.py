@@ -35,7 +35,14 @@ EXAMPLES: dict[str, str] = {
     "profiles": """hpc-verl profiles list
 hpc-verl profiles show ib-a100 --set slurm.nodes=4""",
     "render": """hpc-verl render --profile ib-a100 --config job.yaml trainer.total_epochs=2 -o job.sbatch
-hpc-verl render --profile local --check""",
+hpc-verl render --profile local --check
+# verl's own command line, as you run it: its trainer.nnodes / n_gpus_per_node ask for the allocation
+hpc-verl render --profile ib-a100 -o job.sbatch -- python3 -m verl.trainer.main_ppo trainer.nnodes=1 ...""",
+    "submit": """hpc-verl submit --profile ib-a100 --config job.yaml trainer.total_epochs=2
+hpc-verl submit --profile ib-a100 -- python3 -m verl.trainer.main_ppo --config-name ppo_megatron_trainer ...
+hpc-verl submit --ray-address http://HEAD:8265 --profile local --config examples/job_verl_cpu.yaml""",
+    "import-verl": """DEVICE=gpu hpc-verl import-verl run_qwen3_8b_fsdp.sh -o job.yaml   # read, never run
+hpc-verl submit --profile ib-a100 --config job.yaml""",
     "validate": """hpc-verl validate --profile ib-a100
 hpc-verl validate --all""",
     "doctor": """# on a compute node (or inside the job before Ray starts)
