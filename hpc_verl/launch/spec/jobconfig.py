@@ -188,7 +188,20 @@ def load_job_config(path: Optional[str], overrides: Optional[list[str]] = None,
     else:
         data, _ = read_yaml(Path(path), "job config", ConfigError)
         job = job_from_dict(data if data is not None else {}, str(path))
-    for text in overrides or []:
+    cmd = None
+    if command:  # the trainer command after `--`: module, Hydra options, and overrides checked like the rest
+        from hpc_verl.launch.spec.trainer_command import parse_trainer_command
+
+        cmd = parse_trainer_command(command)
+        problem = _module(cmd.module)
+        if problem:
+            raise ConfigError(f"trainer command: -m {cmd.module!r} {problem}")
+        job.trainer.module = cmd.module
+        if cmd.args:
+            job.trainer.args = list(cmd.args)
+        if job.source == "(built-in default job)":
+            job.source = "(trainer command after --)"
+    for text in [*(overrides or []), *(cmd.overrides if cmd else [])]:
         if "=" not in text:
             raise ConfigError(f"override {text!r} must look like key=value (e.g. trainer.total_epochs=2)")
         key, value = text.split("=", 1)
@@ -196,7 +209,4 @@ def load_job_config(path: Optional[str], overrides: Optional[list[str]] = None,
             if problem:
                 raise _ctx("(command line)").fail(f"trainer override {key!r}", problem)
         job.trainer.overrides[key] = value
-    if command:
-        from hpc_verl.launch.spec.trainer_command import apply_trainer_command
-        apply_trainer_command(job, command)
     return job

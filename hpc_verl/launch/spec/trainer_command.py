@@ -88,22 +88,3 @@ def _config_option(word: str) -> str | None:
         if head in (long, short):
             return long
     return None
-
-
-def apply_trainer_command(job: object, argv: Sequence[str]) -> None:
-    """Put the command's module, Hydra options and overrides into ``job`` (a JobConfig): the command
-    wins over the job file for the module, its options and every key it sets."""
-    from hpc_verl.launch.spec.jobconfig import _module, load_job_config
-
-    cmd = parse_trainer_command(argv)
-    problem = _module(cmd.module)
-    if problem:
-        raise ConfigError(f"trainer command: -m {cmd.module!r} {problem}")
-    extra = load_job_config(None, cmd.overrides)  # the same key and value checks as command-line overrides
-    trainer = job.trainer  # type: ignore[attr-defined]
-    trainer.module = cmd.module
-    if cmd.args:
-        trainer.args = [*cmd.args]
-    trainer.overrides.update(extra.trainer.overrides)
-    if getattr(job, "source", "") == "(built-in default job)":
-        job.source = "(trainer command after --)"  # type: ignore[attr-defined]
