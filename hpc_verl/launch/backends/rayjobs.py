@@ -249,9 +249,16 @@ def ray_need(profile: Any, job: Any) -> Any:
     if rules.applies(profile, job):
         user = job.trainer_override_args()
         gpus = rules.LOGICAL_GPUS_PER_NODE
-        return Need(nodes, gpus, rules.ray_cpus(user, gpus), why="verl on CPU (logical GPU slots)")
+        return Need(nodes, gpus, rules.ray_cpus(user, gpus), why="verl on CPU (logical GPU slots)",
+                    python=profile.ray.python, modules=_modules_of(job))
     gpus = int(str(job.trainer.overrides.get("trainer.n_gpus_per_node", profile.slurm.gpus_per_node)))
-    return Need(nodes, gpus, 0.0, why="verl")
+    return Need(nodes, gpus, 0.0, why="verl", python=profile.ray.python, modules=_modules_of(job))
+
+
+def _modules_of(job: Any) -> tuple[str, ...]:
+    """The packages a verl job imports in the cluster: verl, and its rollout engine when it is vLLM or SGLang."""
+    rollout = str(job.trainer.overrides.get("actor_rollout_ref.rollout.name", "")).strip()
+    return ("verl", *({"vllm": ("vllm",), "sglang": ("sglang",)}.get(rollout, ())))
 
 
 @dataclass
@@ -390,6 +397,12 @@ class RayJobsBackend(Backend):
                 problem = placement_problem(cluster.nodes(), sub.need, sub.address)
                 if problem:
                     raise ConfigError(problem)
+                missing = cluster.missing_modules(sub.need.python, list(sub.need.modules))
+                if missing:
+                    raise ConfigError(f"the Python of the Ray cluster at {sub.address} ({sub.need.python}) cannot "
+                                      f"import {', '.join(missing)}, which this job runs; install "
+                                      f"{' and '.join(missing)} there (verl: pip install verl), or set the "
+                                      "profile's ray.python to a Python that has them")
             cluster.submit(sub.entrypoint, sub.runtime_env, submission_id=sub.submission_id, metadata=sub.metadata,
                            entrypoint_num_cpus=sub.entrypoint_num_cpus, entrypoint_num_gpus=sub.entrypoint_num_gpus)
         except BaseException:

@@ -244,12 +244,32 @@ class RayCluster:
                                     headers=self.headers, timeout=DEFAULT_CONNECT_TIMEOUT_S)
                 resp.raise_for_status()
                 found = list(resp.json()["data"]["result"]["result"])
-            except Exception as exc:  # noqa: BLE001 - any failure: one line
-                raise RayJobsError(f"could not read the nodes of the Ray cluster at {self.address} "
-                                   f"({_short_reason(exc)}); check that it is up") from None
+            except Exception as exc:  # noqa: BLE001 - a busy dashboard drops a request: ask again, then one line
+                if time.monotonic() > deadline:
+                    raise RayJobsError(f"could not read the nodes of the Ray cluster at {self.address} "
+                                       f"({_short_reason(exc)}); check that it is up") from None
+                found = []
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(0.5)
+
+    def missing_modules(self, python: str, modules: list[str], timeout_s: float = 120.0) -> list[str]:
+        """The ``modules`` the cluster's ``python`` cannot import (a short probe job, never the real one)."""
+        import shlex
+
+        # (the marker is joined at run time: a log that echoes the command holds no answer)
+        code = ("import importlib.util as u; print('HPCV_' + 'MISSING:' + ' '.join(m for m in %r "
+                "if u.find_spec(m) is None))" % (list(modules),))
+        sid = self.submit(shlex.join([python, "-c", code]), {},
+                          submission_id=f"hpcverl-probe-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        state = self.wait(sid, timeout_s)
+        text = self.logs(sid)
+        found = re.search(r"^HPCV_MISSING:(.*)$", text, re.M)
+        if found is None:
+            raise RayJobsError(f"could not check the Python of the Ray cluster at {self.address}: a probe with "
+                               f"'{python}' ended {state} without an answer; check that '{python}' runs on the "
+                               "cluster (the profile's ray.python)")
+        return found.group(1).split()
 
     # ------------------------------------------------------------------ jobs
     def submit(self, entrypoint: str, runtime_env: Mapping[str, Any] | None = None, *,

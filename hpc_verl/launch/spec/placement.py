@@ -20,9 +20,12 @@ class Need:
     gpus: float
     cpus: float = 0.0
     why: str = "verl"
+    python: str = "python3"  # the cluster's Python that runs the driver
+    modules: tuple[str, ...] = ()  # what that Python must import
 
     def to_dict(self) -> dict[str, Any]:
-        return {"nodes": self.nodes, "gpus": self.gpus, "cpus": self.cpus, "why": self.why}
+        return {"nodes": self.nodes, "gpus": self.gpus, "cpus": self.cpus, "why": self.why, "python": self.python,
+                "modules": list(self.modules)}
 
 
 def _fits(resources: Mapping[str, float], need: Need) -> bool:
