@@ -105,6 +105,32 @@ class ShellSyntaxError(ConfigError):
 
 
 # --------------------------------------------------------------------------- lexing
+def _to_close(s: str, j: int, pair: str, where: str, what: str) -> int:
+    """Index after the ``pair[1]`` that closes a ``${``/``$(`` opened before ``j`` (nesting and quotes skipped)."""
+    depth = 1
+    while j < len(s) and depth:
+        if s[j] in "'\"`" or s.startswith("${", j) or s.startswith("$(", j):
+            j = _skip_quoted(s, j, where)
+            continue
+        if s[j] == "\\":
+            j += 2
+            continue
+        depth += {pair[0]: 1, pair[1]: -1}.get(s[j], 0)
+        j += 1
+    if depth:
+        raise ShellSyntaxError(f"{where}: unterminated {what}")
+    return j
+
+
+def _to_unescaped(s: str, j: int, close: str, error: str) -> int:
+    """Index after the first ``close`` at or after ``j`` that no backslash escapes."""
+    while j < len(s) and s[j] != close:
+        j += 2 if s[j] == "\\" else 1
+    if j >= len(s):
+        raise ShellSyntaxError(error)
+    return j + 1
+
+
 def _skip_quoted(s: str, i: int, where: str) -> int:
     """Index after the quoted or substituted construct starting at ``s[i]``."""
     c = s[i]
@@ -114,12 +140,7 @@ def _skip_quoted(s: str, i: int, where: str) -> int:
             raise ShellSyntaxError(f"{where}: unterminated single quote")
         return end + 1
     if s.startswith("$'", i):
-        j = i + 2
-        while j < len(s) and s[j] != "'":
-            j += 2 if s[j] == "\\" else 1
-        if j >= len(s):
-            raise ShellSyntaxError(f"{where}: unterminated $'...'")
-        return j + 1
+        return _to_unescaped(s, i + 2, "'", f"{where}: unterminated $'...'")
     if c == '"':
         j = i + 1
         while j < len(s) and s[j] != '"':
@@ -133,37 +154,11 @@ def _skip_quoted(s: str, i: int, where: str) -> int:
             raise ShellSyntaxError(f"{where}: unterminated double quote")
         return j + 1
     if c == "`":
-        j = i + 1
-        while j < len(s) and s[j] != "`":
-            j += 2 if s[j] == "\\" else 1
-        if j >= len(s):
-            raise ShellSyntaxError(f"{where}: unterminated backquote")
-        return j + 1
+        return _to_unescaped(s, i + 1, "`", f"{where}: unterminated backquote")
     if s.startswith("${", i):
-        j, depth = i + 2, 1
-        while j < len(s) and depth:
-            if s[j] in "'\"`" or s.startswith("${", j) or s.startswith("$(", j):
-                j = _skip_quoted(s, j, where)
-                continue
-            depth += {"{": 1, "}": -1}.get(s[j], 0)
-            j += 1
-        if depth:
-            raise ShellSyntaxError(f"{where}: unterminated ${{...}}")
-        return j
+        return _to_close(s, i + 2, "{}", where, "${...}")
     if s.startswith("$(", i):
-        j, depth = i + 2, 1
-        while j < len(s) and depth:
-            if s[j] in "'\"`" or s.startswith("${", j):
-                j = _skip_quoted(s, j, where)
-                continue
-            if s[j] == "\\":
-                j += 2
-                continue
-            depth += {"(": 1, ")": -1}.get(s[j], 0)
-            j += 1
-        if depth:
-            raise ShellSyntaxError(f"{where}: unterminated $(...)")
-        return j
+        return _to_close(s, i + 2, "()", where, "$(...)")
     raise AssertionError(c)  # pragma: no cover
 
 
