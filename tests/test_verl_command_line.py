@@ -168,3 +168,15 @@ def test_hydra_output_goes_into_the_run_directory_unless_the_job_says():
     builtin = load_job_config(None)
     assert "hydra.run.dir" not in dict(derived_overrides(profile, builtin))  # our trainer has no Hydra
     assert re.match(r"^\$HPCV_RUN_DIR/", derived["hydra.run.dir"])
+
+
+def test_plan_takes_the_size_and_samples_from_the_command(cli):
+    res = cli("plan", "--profile", "ib-a100", "--format", "json", "--", *MAIN_PPO, "trainer.nnodes=4",
+              "actor_rollout_ref.rollout.n=5")
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    same = json.loads(cli("plan", "--profile", "ib-a100", "--format", "json", "--nodes", "4",
+                          "--rollout-n", "5").stdout)
+    assert plan == same and plan["nodes"] == 4
+    res = cli("plan", "--profile", "ib-a100")
+    assert res.returncode == 2 and "--nodes N is required" in res.stderr

@@ -26,7 +26,7 @@ VERB_MODULES: tuple[str, ...] = (
 # Verbs that take a command given after `--` (`hpc-verl attach JOB -- hostname`, `hpc-verl submit
 # --profile P -- python3 -m verl.trainer.main_ppo ...`): it reaches them untouched, as args.command,
 # whatever options it has.
-COMMAND_VERBS: tuple[str, ...] = ("attach", "submit", "render", "validate")
+COMMAND_VERBS: tuple[str, ...] = ("attach", "submit", "render", "validate", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

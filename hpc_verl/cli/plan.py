@@ -20,15 +20,18 @@ def register(subparsers: Any) -> None:
                     "to paste after 'hpc-verl submit' or into a job file.")
     add_profile_argument(parser)
     add_set_argument(parser)
-    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="number of nodes (default: trainer.nnodes of the command after '--')")
     parser.add_argument("--model-size", default="7B", help="model parameters, e.g. 0.5B, 7B, 70B (default 7B)")
     parser.add_argument("--gpu-mem-gb", type=float, default=None,
                         help="GPU memory in GB (default: from the GPU model the profile names)")
-    parser.add_argument("--rollout-n", type=int, default=1, help="responses per prompt (GRPO uses > 1)")
+    parser.add_argument("--rollout-n", type=int, default=None,
+                        help="responses per prompt (GRPO uses > 1; default: the command's "
+                             "actor_rollout_ref.rollout.n, else 1)")
     parser.add_argument("--format", choices=("table", "overrides", "yaml", "json"), default="table",
                         help="table (default), overrides (key=value lines), yaml (a trainer.overrides block "
                              "for a job file), or json")
-    parser.set_defaults(func=cmd_plan)
+    parser.set_defaults(func=cmd_plan, command=[])
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -37,6 +40,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hpc_verl.profiles import load_profile
     from hpc_verl.verl_upstream.config import schema as verl_schema
 
+    from hpc_verl.launch.spec.job_size import job_count
+
+    job = None
+    if args.command:  # the job's own command line: its size and sample count, as submit would take them
+        from hpc_verl.launch.spec.jobconfig import load_job_config
+        job = load_job_config(None, None, args.command)
+    if args.nodes is None:
+        args.nodes = job_count(job, "trainer.nnodes") if job is not None else None
+        if args.nodes is None:
+            raise ConfigError("--nodes N is required (or a command after '--' that sets trainer.nnodes)")
+    if args.rollout_n is None:
+        args.rollout_n = (job_count(job, "actor_rollout_ref.rollout.n") if job is not None else None) or 1
     if args.rollout_n < 1:
         raise ConfigError(f"--rollout-n {args.rollout_n}: must be at least 1")
     profile = load_profile(args.profile, args.sets)

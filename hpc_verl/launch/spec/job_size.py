@@ -26,6 +26,17 @@ def _job_value(job: Any, key: str) -> Any:
     return found
 
 
+def job_count(job: Any, key: str) -> int | None:
+    """The job's whole-number value of ``key`` (None: unset); one line when it is not a number."""
+    raw = _job_value(job, key)
+    if raw is None:
+        return None
+    try:
+        return int(str(raw).strip())
+    except ValueError:
+        raise ConfigError(f"{key}={raw} in job {job.source}: must be a whole number") from None
+
+
 def _set_value(sets: Sequence[str], key: str) -> str | None:
     found = None
     for text in sets:
@@ -44,16 +55,11 @@ def size_sets(profile: Any, job: Any, sets: Sequence[str] = ()) -> list[str]:
         return []
     out: list[str] = []
     for tkey, pkey, what in SIZE_KEYS:
-        raw = _job_value(job, tkey)
-        if raw is None:
-            continue
         if pkey == "slurm.gpus_per_node" and getattr(profile, "accelerator", None) in ("none",):
             continue  # CPU nodes: logical GPUs (verl_upstream.cpu.rules), not an allocation
-        try:
-            wanted = int(str(raw).strip())
-        except ValueError:
-            raise ConfigError(f"{tkey}={raw} in job {job.source}: must be a whole number (it asks for the "
-                              f"job's {what})") from None
+        wanted = job_count(job, tkey)
+        if wanted is None:
+            continue
         if wanted < 1:
             raise ConfigError(f"{tkey}={wanted} in job {job.source}: the job needs at least 1 of its {what}")
         given = _set_value(sets, pkey)
