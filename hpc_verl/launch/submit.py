@@ -18,10 +18,12 @@ from hpc_verl.launch.backends.base import SubmitRequest
 
 def submit(profile: Optional[str] = None, config: Optional[str] = None, overrides: Sequence[str] = (),
            sets: Sequence[str] = (), name: Optional[str] = None, *, ray_address: Optional[str] = None,
-           ray_token_file: Optional[str] = None) -> Any:
-    """Submit a job; returns a ``submitit.Job`` (SLURM) or a ``RayJobHandle`` (``ray_address``)."""
+           ray_token_file: Optional[str] = None, command: Sequence[str] = ()) -> Any:
+    """Submit a job; returns a ``submitit.Job`` (SLURM) or a ``RayJobHandle`` (``ray_address``).
+    ``command``: the trainer command line (``["python3", "-m", "verl.trainer.main_ppo", "k=v", ...]``),
+    as after ``--`` on the command line."""
     request = SubmitRequest(profile=profile, config=config, overrides=tuple(overrides), sets=tuple(sets), name=name,
-                            ray_address=ray_address, ray_token_file=ray_token_file)
+                            ray_address=ray_address, ray_token_file=ray_token_file, command=tuple(command))
     if ray_address:
         rayjob = backends.get("rayjob")
         return rayjob.handle(rayjob.submit(rayjob.dryrun(request)))
