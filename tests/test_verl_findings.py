@@ -15,8 +15,13 @@ from hpc_verl.launch.spec.jobconfig import job_from_dict
 from hpc_verl.launch.spec.trainer_check import validate_job_trainer
 from hpc_verl.profiles import load_profile
 from hpc_verl.verl_upstream import config as vconfig
+from hpc_verl.verl_upstream import startup
 from hpc_verl.verl_upstream import expiry, findings
 from hpc_verl.verl_upstream.command import Allocation, build_verl_command
+
+if vconfig.find_verl() is not None:
+    startup.preload()  # verl's own check runs in this process: one import, not one per check
+
 
 pytestmark = pytest.mark.skipif(vconfig.find_verl() is None, reason="upstream verl not installed")
 
@@ -57,7 +62,13 @@ def test_rollout_mode_sync_is_refused_on_verl_0_8_and_later():
 @pytest.mark.parametrize("old", ["actor_rollout_ref.actor.ppo_micro_batch_size",
                                  "actor_rollout_ref.rollout.log_prob_micro_batch_size"])
 def test_micro_batch_and_its_per_gpu_twin_together(old):
-    msg = only(review({old: 64}), "error")
+    # verl's own validate_config refuses the pair: its message is the refusal, before the queue
+    with pytest.raises(ConfigError) as e:
+        review({old: 64})
+    assert "refuses this config at start" in str(e.value) and "You have set both" in str(e.value)
+    cfg = {"actor_rollout_ref": {"actor": {"ppo_micro_batch_size": 64, "ppo_micro_batch_size_per_gpu": 2},
+                                 "rollout": {"log_prob_micro_batch_size": 64, "log_prob_micro_batch_size_per_gpu": 4}}}
+    msg = only(findings.review(cfg, {old}, None, 2, 8), "error")  # the same rule where verl is not installed
     assert f"both {old} and {old}_per_gpu are set" in msg and "raises ValueError" in msg and f"drop {old}" in msg
     # with dynamic batch sizes verl checks neither and uses neither: a warning, not a refusal
     msg = only(review({old: 64, "actor_rollout_ref.actor.use_dynamic_bsz": "true"}), "warning")
@@ -65,12 +76,15 @@ def test_micro_batch_and_its_per_gpu_twin_together(old):
 
 
 def test_critic_and_reference_pairs_only_when_those_models_run():
+    # verl builds the critic's model config (it loads the model) before it checks the pair: without the
+    # model's files here its check stops there, and our own rule still finds the pair
     assert any(f.level == "error" for f in review({"critic.ppo_micro_batch_size": 16,
                                                     "algorithm.adv_estimator": "gae"}))
     assert review({"critic.ppo_micro_batch_size": 16, "algorithm.adv_estimator": "grpo"}) == []
     ref = {"actor_rollout_ref.ref.log_prob_micro_batch_size": 64}
     assert review({**ref, "actor_rollout_ref.actor.use_kl_loss": "false", "algorithm.use_kl_in_reward": "false"}) == []
-    assert only(review({**ref, "actor_rollout_ref.actor.use_kl_loss": "true"}), "error")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.ref.log_prob_micro_batch_size"):
+        review({**ref, "actor_rollout_ref.actor.use_kl_loss": "true"})
 
 
 def test_rollout_replica_spanning_nodes():

@@ -12,8 +12,13 @@ from hpc_verl.launch.spec.render import derived_overrides
 from hpc_verl.launch.spec.trainer_check import trainer_kind, validate_job_trainer
 from hpc_verl.profiles import load_profile
 from hpc_verl.verl_upstream import config as vconfig
+from hpc_verl.verl_upstream import startup
 
 needs_verl = pytest.mark.skipif(vconfig.find_verl() is None, reason="upstream verl not installed")
+
+if vconfig.find_verl() is not None:
+    startup.preload()  # verl's own check runs in this process: one import, not one per check
+
 
 JOB = """\
 name: verl-gsm8k
@@ -64,7 +69,8 @@ def test_batch_not_dividing_gpus_refused_with_numbers(cli, tmp_path):
     # the same job on 5 nodes of 8: 1000 x 1 is not divisible by 40 either, 1040 is
     res = cli("render", "--profile", "ib-a100", "--set", "slurm.nodes=5", "--config",
               str(job_file(tmp_path, tbs=1040)), "actor_rollout_ref.actor.ppo_mini_batch_size=520",
-              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1")
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1",
+              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2")
     assert res.returncode == 0, res.stderr
 
 
@@ -171,7 +177,8 @@ def test_without_verl_the_job_renders_with_one_warning_line(tmp_path):
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr
     (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert line.startswith("hpc-verl: warning: upstream verl is not installed") and "not checked" in line
+    assert line.startswith("hpc-verl: warning: upstream verl is not installed") and "skipped" in line
+    assert "validate_config" in line and "batch arithmetic ran" in line
     assert "trainer.nnode=3" in res.stdout
 
 

@@ -10,12 +10,20 @@ from hpc_verl.errors import ConfigError
 from hpc_verl.util.batch_rules import check_ppo_arithmetic
 from hpc_verl.verl_upstream import command as vcmd
 from hpc_verl.verl_upstream import config as vconfig
+from hpc_verl.verl_upstream import startup
 from hpc_verl.verl_upstream.command import Allocation, build_verl_command
 from hpc_verl.verl_upstream.overrides import check_overrides, parse_override, parse_overrides, suggest_key
+
+if vconfig.find_verl() is not None:
+    startup.preload()  # verl's own check runs in this process: one import, not one per check
+
 
 needs_verl = pytest.mark.skipif(vconfig.find_verl() is None, reason="upstream verl not installed")
 ROLLOUT = "actor_rollout_ref.rollout.name=vllm"
 A100x2 = Allocation(2, 8, 64, "profile 'ib-a100' (2 nodes)")
+#: what verl's validate_config requires of a job without dynamic batch sizes
+MICRO = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=4"]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +106,7 @@ def test_append_force_delete_and_groups(schema):
 # ----------------------------------------------------------------------------- command
 @needs_verl
 def test_command_derives_allocation_and_composes():
-    cmd = build_verl_command([ROLLOUT, "data.train_batch_size=1024", "trainer.total_epochs=2"], A100x2)
+    cmd = build_verl_command([ROLLOUT, "data.train_batch_size=1024", "trainer.total_epochs=2", *MICRO], A100x2)
     assert cmd.argv[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
     assert cmd.derived == ["trainer.nnodes=2", "trainer.n_gpus_per_node=8"]
     assert cmd.env_required == ["RAY_ADDRESS"] and cmd.verl_version
@@ -229,7 +237,7 @@ def test_delete_needs_an_existing_key(schema):
 @needs_verl
 def test_without_hydra_keys_come_from_verls_snapshot(monkeypatch):
     snap = vconfig.load_schema(str(vconfig.find_verl().package_dir), use_hydra=False)
-    monkeypatch.setattr(vconfig, "schema", lambda use_hydra=True: snap)
+    monkeypatch.setattr(vconfig, "schema", lambda use_hydra=True, **_: snap)
     cmd = build_verl_command([ROLLOUT, "data.train_batch_size=1024"], A100x2)
     assert any("hydra-core is not installed" in w for w in cmd.warnings)
     with pytest.raises(ConfigError, match="did you mean 'trainer.nnodes'"):

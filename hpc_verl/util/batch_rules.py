@@ -95,7 +95,7 @@ def _sp_key(cfg: Mapping[str, Any], section: str) -> str:
     """Where the section's Ulysses size is set: verl 0.9's FSDP settings (``fsdp_config``, the
     critic's ``fsdp``) when set there, else the deprecated ``<section>.ulysses_sequence_parallel_size``."""
     for key in (f"{section}.fsdp_config.ulysses_sequence_parallel_size",
-                f"{section}.fsdp.ulysses_sequence_parallel_size"):
+                f"{section}.fsdp.ulysses_sequence_parallel_size", f"{section}.veomni.ulysses_parallel_size"):
         if get_path(cfg, key) not in (None, 1):
             return key
     return f"{section}.ulysses_sequence_parallel_size"
@@ -245,6 +245,53 @@ def _log_prob_batches(cfg: Mapping[str, Any], world: int, pairs: bool = True) ->
     return out
 
 
+def log_prob_split_problems(cfg: Mapping[str, Any], dp_sizes: Mapping[str, int], ref_used: bool) -> list[str]:
+    """Each rank's share of the batch must split into whole log-prob micro-batches: verl's engine
+    asserts "data size must be divisible by ... micro_batch_size_per_gpu" (verl/workers/engine/utils.py)
+    at the first compute_log_prob, after the queue wait and the model load. ``dp_sizes[role]``: the
+    data-parallel ranks of the engine that runs it (rollout: the actor's; ref: its own)."""
+    tbs = _int(_get(cfg, "data.train_batch_size"))
+    n = _int(_get(cfg, f"{ROLLOUT}.n")) or 1
+    if not tbs or tbs < 1:
+        return []
+    out = []
+    for role, section in (("rollout", ROLLOUT), ("ref", "actor_rollout_ref.ref")):
+        dp = int(dp_sizes.get(role) or 0)
+        if dp <= 0 or (role == "ref" and not ref_used):
+            continue
+        dynamic = get_path(cfg, f"{section}.log_prob_use_dynamic_bsz")
+        if bool(_get(cfg, f"{ACTOR}.use_dynamic_bsz") if dynamic is None else dynamic):
+            continue
+        key = f"{section}.log_prob_micro_batch_size_per_gpu"
+        micro = _int(get_path(cfg, key))
+        total = tbs * n
+        if not micro or micro < 1 or total % dp:
+            continue
+        per_rank = total // dp
+        if per_rank % micro:
+            out.append(f"{key} ({micro}) does not divide the {per_rank} samples each of the {dp} data-parallel ranks "
+                       f"gets (data.train_batch_size {tbs} × rollout.n {n} / {dp}): verl asserts 'data size must be "
+                       f"divisible by ... micro_batch_size_per_gpu' at its first log-prob pass; use one of "
+                       f"{_divisors(per_rank)}")
+    return out
+
+
+def engine_dp(cfg: Mapping[str, Any], section: str, gpus: int) -> tuple[int, str | None]:
+    """The data-parallel ranks of a role's engine on ``gpus`` GPUs, before Ulysses sequence parallelism
+    (``batch_problems`` divides that out): all GPUs for FSDP and VeOmni, GPUs / (TP × PP × CP) for
+    Megatron (verl's validate_config). The second value is a problem when they do not divide."""
+    strategy = get_path(cfg, f"{section}.strategy")
+    if strategy != "megatron" or gpus <= 0:
+        return gpus, None
+    sizes = {p: _int(get_path(cfg, f"{section}.megatron.{p}_parallel_size")) or 1
+             for p in ("tensor_model", "pipeline_model", "context")}
+    model = sizes["tensor_model"] * sizes["pipeline_model"] * sizes["context"]
+    if gpus % model:
+        return gpus, (f"{section}.megatron: tensor × pipeline × context parallel = {sizes['tensor_model']} × "
+                      f"{sizes['pipeline_model']} × {sizes['context']} = {model} does not divide the {gpus} GPUs")
+    return gpus // model, None
+
+
 def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int,
                          replica_may_span: bool = False, pairs: bool = True) -> list[str]:
     """``batch_problems`` for verl's layout: every role on all ``nnodes × gpus_per_node`` GPUs
@@ -252,3 +299,10 @@ def check_ppo_arithmetic(cfg: Mapping[str, Any], nnodes: int, gpus_per_node: int
     gpus = max(0, nnodes * gpus_per_node)
     return batch_problems(cfg, {role: gpus for role in ROLES}, gpus_per_node=gpus_per_node,
                           replica_may_span=replica_may_span, pairs=pairs)
+
+
+def data_parallel(cfg: Mapping[str, Any], section: str, world: int) -> int:
+    """Ranks that take distinct data: the engine's data-parallel ranks over its Ulysses size."""
+    if world <= 0:
+        return 0
+    return max(1, world // _sp(cfg, section, world, []))

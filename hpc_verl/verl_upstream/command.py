@@ -18,8 +18,8 @@ from typing import Any, Sequence
 from hpc_verl.errors import ConfigError
 from hpc_verl.util.batch_rules import check_ppo_arithmetic
 from hpc_verl.verl_upstream import config as vconfig
-from hpc_verl.verl_upstream.overrides import (Override, check_overrides, one_line, override_map,
-                                              parse_overrides)
+from hpc_verl.verl_upstream.check import check_config
+from hpc_verl.verl_upstream.overrides import Override, one_line, override_map, parse_overrides
 
 MODULE = "verl.trainer.main_ppo"
 
@@ -72,11 +72,13 @@ class VerlCommand:
 def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, python: str = "python3",
                        attach_to_ray: bool = True, check_keys: bool = True,
                        where: str = "verl override",
-                       launcher_defaults: Sequence[tuple[str, str]] = ()) -> VerlCommand:
+                       launcher_defaults: Sequence[tuple[str, str]] = (),
+                       hydra_args: Sequence[str] = ()) -> VerlCommand:
     """Derive, validate and assemble the main_ppo command; raise ConfigError on any problem.
 
     ``launcher_defaults``: (key, value) the launcher adds where the job does not set the key
-    (a CPU profile's settings, ``verl_upstream.cpu.rules``); checked and composed like the rest."""
+    (a CPU profile's settings, ``verl_upstream.cpu.rules``); checked and composed like the rest.
+    ``hydra_args``: the job's ``trainer.args`` (``--config-name NAME``, ``--config-path DIR``)."""
     parsed = parse_overrides(user_overrides, where)
     values = override_map(parsed)
     job_label = where.removesuffix("verl override").rstrip(": ") or "verl job"
@@ -105,32 +107,19 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
 
     cmd = VerlCommand(python=python, derived=derived, user=user, attach_to_ray=attach_to_ray,
                       env_required=["RAY_ADDRESS"] if attach_to_ray else [])
-    schema = vconfig.schema() if check_keys else None
-    if check_keys and schema is None:
-        msg = ("upstream verl is not installed here: override keys are not checked against its config "
-               "(install it on the login node with: pip install --no-deps verl omegaconf hydra-core)")
-        cmd.warnings.append(msg)
-        warnings.warn(msg, VerlNotInstalledWarning, stacklevel=2)
-    problems: list[str] = []
-    all_parsed = parse_overrides(cmd.overrides, where)  # derived + user, as main_ppo gets them
-    if schema is not None:
-        cmd.verl_version = schema.version
-        problems += check_overrides(all_parsed, schema, where)
-    if problems:
-        raise ConfigError(one_line(problems))
-    if schema is not None and schema.source == "hydra":
-        resolved = resolved_config(cmd.overrides)
-    elif schema is not None:  # verl's files but no hydra-core: its defaults, then the user's values
-        cmd.warnings.append("hydra-core is not installed: the overrides' keys were checked but not composed "
-                            "(pip install hydra-core to compose them as main_ppo will)")
-        resolved = {k: v for k, v in schema.defaults.items() if not (isinstance(v, str) and "${" in v)}
-        resolved.update(_flat_values(all_parsed))
+    if check_keys:  # keys, composition, verl's own start-up checks, arithmetic (verl_upstream.check)
+        found = check_config(cmd.overrides, vconfig.split_hydra_args(hydra_args), alloc.nnodes, alloc.gpus_per_node,
+                             where=where, job_label=job_label, alloc_source=alloc.source)
+        resolved, cmd.verl_version = found.resolved, found.version
+        cmd.warnings += found.warnings
+        if found.version is None:
+            warnings.warn(found.warnings[0], VerlNotInstalledWarning, stacklevel=2)
     else:
         resolved = _flat_values(parsed)
-    # (a micro-batch pair, and a replica spanning nodes, are verl_upstream.findings' to judge)
-    problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node, replica_may_span=True, pairs=False)
-    if problems:
-        raise ConfigError(f"{job_label} on {alloc.source}: {one_line(problems)}")
+        problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node, replica_may_span=True,
+                                        pairs=False)
+        if problems:
+            raise ConfigError(f"{job_label} on {alloc.source}: {one_line(problems)}")
     cmd.resolved = resolved
     return cmd
 

@@ -14,7 +14,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -59,12 +59,17 @@ def _verl_version(pkg: Path) -> str:
 
 
 def compose(overrides: Sequence[str] = (), install: VerlInstall | None = None,
-            config_name: str = CONFIG_NAME) -> Any:
+            config_name: str = CONFIG_NAME, config_dir: str | None = None) -> Any:
     """Compose verl's config with Hydra overrides, as ``main_ppo`` would (unresolved).
 
     Raises ConfigError with one line when Hydra refuses the overrides.
     """
     install = install or require_verl()
+    return compose_dir(config_dir or str(install.config_dir), config_name, overrides, install.version)
+
+
+def compose_dir(config_dir: str, config_name: str, overrides: Sequence[str], version: str | None = None) -> Any:
+    """Hydra's compose of ``config_name`` in ``config_dir`` (what ``@hydra.main`` builds, without running)."""
     try:
         from hydra import compose as hydra_compose
         from hydra import initialize_config_dir
@@ -76,11 +81,63 @@ def compose(overrides: Sequence[str] = (), install: VerlInstall | None = None,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with initialize_config_dir(config_dir=str(install.config_dir), version_base=None):
-                return hydra_compose(config_name=config_name, overrides=list(overrides))
+            with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+                return hydra_compose(config_name=bare_config_name(config_name), overrides=list(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         first = " ".join(str(exc).split())
-        raise ConfigError(f"verl {install.version} refused the overrides: {first}") from exc
+        tag = f"verl {version}" if version else "verl"
+        raise ConfigError(f"{tag} refused the overrides: {first}") from exc
+
+
+def bare_config_name(name: str) -> str:
+    """Hydra takes ``ppo_trainer`` and ``ppo_trainer.yaml`` alike."""
+    return name[:-5] if name.endswith(".yaml") else name
+
+
+@dataclass(frozen=True)
+class HydraArgs:
+    """What a main_ppo command line says besides its overrides: ``--config-name``, ``--config-path``."""
+
+    config_name: str = CONFIG_NAME
+    config_path: str | None = None
+    overrides: tuple[str, ...] = ()
+
+
+def split_hydra_args(args: Sequence[str], where: str = "trainer.args") -> HydraArgs:
+    """``--config-name NAME``/``--config-name=NAME`` (``-cn``) and ``--config-path`` (``-cp``) out of ``args``.
+
+    Any other ``-`` flag is refused: main_ppo is a Hydra app and would refuse it too.
+    """
+    name, path, rest = CONFIG_NAME, None, []
+    items = list(args)
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        flag, eq, value = arg.partition("=")
+        if flag in ("--config-name", "-cn", "--config-path", "-cp"):
+            if not eq:
+                if i + 1 >= len(items):
+                    raise ConfigError(f"{where}: '{flag}' needs a value (e.g. {flag} ppo_megatron_trainer)")
+                i, value = i + 1, items[i + 1]
+            if flag in ("--config-name", "-cn"):
+                name = value
+            else:
+                path = value
+        elif arg.startswith("-"):
+            raise ConfigError(f"{where}: '{arg}' is not an argument verl's main_ppo takes; it takes "
+                              "--config-name NAME, --config-path DIR and key=value overrides")
+        else:
+            rest.append(arg)
+        i += 1
+    return HydraArgs(name, path, tuple(rest))
+
+
+def config_dir_for(install: VerlInstall, config_path: str | None) -> Path:
+    """Hydra reads a relative ``--config-path`` from main_ppo's own directory (verl/trainer)."""
+    if not config_path:
+        return install.config_dir
+    path = Path(config_path)
+    return path if path.is_absolute() else (install.package_dir / "trainer" / path).resolve()
 
 
 def require_verl() -> VerlInstall:
@@ -100,6 +157,11 @@ class VerlSchema:
     defaults: Mapping[str, Any]
     groups: frozenset[str]
     source: str  # "hydra" or the snapshot file it came from
+    #: section -> the dataclass verl builds from it (its ``_target_``)
+    targets: Mapping[str, str] = field(default_factory=dict)
+    config_name: str = CONFIG_NAME
+    config_dir: str = ""
+    package_dir: str = ""  # verl/ itself (its dataclasses' sources)
 
     def children(self, prefix: str) -> list[str]:
         """Direct child keys of ``prefix`` ('' for the top level)."""
@@ -118,41 +180,52 @@ def walk(node: Any, prefix: str = "") -> Iterator[tuple[str, Any, bool]]:
             yield from walk(value, dotted + ".")
 
 
-@functools.lru_cache(maxsize=4)
-def load_schema(package_dir: str | None = None, use_hydra: bool = True) -> VerlSchema:
-    """The full key set of verl's ppo_trainer config (cached per process)."""
+@functools.lru_cache(maxsize=16)
+def load_schema(package_dir: str | None = None, use_hydra: bool = True, config_name: str = CONFIG_NAME,
+                choices: tuple[str, ...] = (), config_dir: str | None = None) -> VerlSchema:
+    """The full key set of verl's config for ``config_name`` and the job's group ``choices``
+    (``model_engine=megatron``, ``actor@actor_rollout_ref.actor=...``), cached per process."""
     install = VerlInstall(Path(package_dir), _verl_version(Path(package_dir))) if package_dir \
         else require_verl()
-    groups = frozenset(p.name for p in install.config_dir.iterdir() if p.is_dir()
+    cdir = Path(config_dir) if config_dir else install.config_dir
+    groups = frozenset(p.name for p in cdir.iterdir() if p.is_dir()
                        and not p.name.startswith("_"))
     tree: Mapping[str, Any]
     if use_hydra and importlib.util.find_spec("hydra") is not None:
         from omegaconf import OmegaConf
 
-        cfg = compose((), install)
+        cfg = compose_dir(str(cdir), config_name, choices, install.version)
         tree = OmegaConf.to_container(cfg, resolve=False)  # type: ignore[assignment]
         source = "hydra"
     else:
         import yaml
 
-        snap = install.config_dir / f"_generated_{CONFIG_NAME}.yaml"
+        snap = cdir / f"_generated_{bare_config_name(config_name)}.yaml"
         if not snap.is_file():
             raise ConfigError(f"verl {install.version}: no hydra-core and no {snap.name} to read "
                               "its keys from; install hydra-core")
         tree = yaml.safe_load(snap.read_text()) or {}
         source = snap.name
-    keys, defaults = set(), {}
+    keys, defaults, targets = set(), {}, {}
     for dotted, value, is_map in walk(tree):
         keys.add(dotted)
         if not is_map:
             defaults[dotted] = value
-    return VerlSchema(install.version, frozenset(keys), defaults, groups, source)
+        if dotted.endswith("._target_") and isinstance(value, str):
+            targets[dotted.rsplit(".", 1)[0]] = value
+    return VerlSchema(install.version, frozenset(keys), defaults, groups, source, targets, config_name, str(cdir),
+                      str(install.package_dir))
 
 
-def schema(use_hydra: bool = True) -> VerlSchema | None:
-    """The installed verl's schema, or None when verl is not installed."""
+def schema(use_hydra: bool = True, config_name: str = CONFIG_NAME, choices: Sequence[str] = (),
+           config_path: str | None = None) -> VerlSchema | None:
+    """The installed verl's schema for these choices, or None when verl is not installed."""
     install = find_verl()
     if install is None:
         return None
-    return load_schema(str(install.package_dir), use_hydra)
-
+    cdir = config_dir_for(install, config_path)
+    if not cdir.is_dir():
+        raise ConfigError(f"--config-path {config_path}: no such directory here ({cdir}; Hydra reads a relative "
+                          "path from verl/trainer/)")
+    return load_schema(str(install.package_dir), use_hydra, config_name, tuple(choices),
+                       None if cdir == install.config_dir else str(cdir))

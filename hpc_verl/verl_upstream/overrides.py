@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from hpc_verl.errors import ConfigError
+from hpc_verl.verl_upstream.advice import closest_groups, history, unknown_key
+from hpc_verl.verl_upstream.annotations import has_field, key_annotation, value_problem
 from hpc_verl.verl_upstream.config import VerlSchema
 
-_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:[.@/][A-Za-z0-9_]+)*$")
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*(?:[.@/][A-Za-z0-9_-]+)*$")
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def parse_overrides(raws: Iterable[str], where: str = "verl override") -> list[O
 
 
 def suggest_key(key: str, keys: Iterable[str]) -> str | None:
-    """Closest dotted key, judged mostly on the last component.
+    """Closest dotted key, judged mostly on the last component (for our own trainer's keys).
 
     Whole-string similarity is useless here: two keys under
     'actor_rollout_ref.rollout.' look alike whatever their last part is.
@@ -71,9 +73,12 @@ def suggest_key(key: str, keys: Iterable[str]) -> str | None:
     return best if best_score >= 0.6 else None
 
 
-def _type_problem(ov: Override, default: Any) -> str | None:
-    """A value that cannot have the default's type (only the clear cases)."""
+def _type_problem(ov: Override, default: Any, annotation: str | None = None) -> str | None:
+    """A value that cannot have the key's type: verl's dataclass annotation where it declares one,
+    else the default's type (only the clear cases)."""
     value = (ov.value or "").strip()
+    if annotation is not None:
+        return value_problem(annotation, value)
     if value in ("null", "") or value.startswith("${") or default is None:
         return None
     if isinstance(default, bool):
@@ -89,53 +94,78 @@ def _type_problem(ov: Override, default: Any) -> str | None:
     return None
 
 
+def is_choice(key: str, schema: VerlSchema) -> bool:
+    """A config-group choice (``model_engine``, ``actor@actor_rollout_ref.actor``, ``rollout/...``)."""
+    return "@" in key or key in schema.groups or key.split("/")[0] in schema.groups
+
+
+def choices_of(overrides: Sequence[Override], groups: Iterable[str]) -> list[str]:
+    """The overrides that pick config-group options: they decide which keys exist at all."""
+    group_set = set(groups)
+    return [ov.raw for ov in overrides
+            if "@" in ov.key or ov.key in group_set or ov.key.split("/")[0] in group_set]
+
+
+def _section_target(key: str, schema: VerlSchema) -> str | None:
+    return schema.targets.get(key.rpartition(".")[0])
+
+
 def check_overrides(overrides: Sequence[Override], schema: VerlSchema,
                     where: str = "verl override") -> list[str]:
     """Every problem as one line; an empty list means the keys are all verl's."""
     problems = []
+    tag = f"verl {schema.version}"
     for ov in overrides:
         key = ov.key
-        if "@" in key or key in schema.groups or key.split("/")[0] in schema.groups:
-            if key.split("@")[0].split("/")[0] not in schema.groups:
-                problems.append(f"{where} '{ov.raw}': '{key.split('@')[0]}' is not a config group of "
-                                f"verl {schema.version} (groups: {', '.join(sorted(schema.groups))})")
+        if key == "hydra" or key.startswith("hydra."):
+            continue  # Hydra's own settings (hydra.run.dir, hydra.job.chdir): main_ppo's Hydra takes them
+        if is_choice(key, schema):
+            group = key.split("@")[0].split("/")[0]
+            if group not in schema.groups:
+                near = closest_groups(group, schema.groups)
+                hint = f" (did you mean '{near[0]}'?)" if near else ""
+                problems.append(f"{where} '{ov.raw}': '{group}' is not a config group of {tag}{hint}; groups: "
+                                f"{', '.join(sorted(schema.groups))}")
             continue
         known = key in schema.keys
-        if ov.op == "delete" and not known:
-            guess = suggest_key(key, schema.keys)
-            hint = f" (did you mean '{guess}'?)" if guess else ""
-            problems.append(f"{where} '{ov.raw}': cannot delete '{key}', verl {schema.version}'s config has "
-                            f"no such key{hint}")
+        if ov.op == "delete":
+            if not known:
+                problems.append(f"{where} '{ov.raw}': cannot delete '{key}', {tag}'s config has no such key; "
+                                f"{unknown_key(key, None, schema)}")
             continue
         if ov.op == "add":
             if known:
                 problems.append(f"{where} '{ov.raw}': '{key}' already exists in verl's config; "
                                 f"drop the '+' ({key}={ov.value}) or force it with '++'")
+                continue
+            target = _section_target(key, schema)
+            if target and has_field(schema.package_dir, target, key.rpartition(".")[2]) is False:
+                problems.append(f"{where} '{ov.raw}': {tag} builds '{key.rpartition('.')[0]}' as "
+                                f"{target.rpartition('.')[2]}, which has no field '{key.rpartition('.')[2]}': "
+                                f"verl refuses the job at start; {unknown_key(key, ov.value, schema)}")
             continue
         if ov.op == "force_add":
             continue
         if not known:
-            guess = suggest_key(key, schema.keys)
-            hint = f" (did you mean '{guess}'?)" if guess else ""
-            parent = key.rpartition(".")[0]
-            if parent in schema.keys and not guess:
-                sib = schema.children(parent)
-                hint = f"; keys under '{parent}': {', '.join(s.rsplit('.', 1)[-1] for s in sib[:20])}"
-            problems.append(f"{where} '{ov.raw}': unknown key '{key}' in verl {schema.version}'s "
-                            f"config{hint}; prefix with '+' to add a new key on purpose")
+            advice = unknown_key(key, ov.value, schema)
+            add = "" if _section_target(key, schema) or key in history() else \
+                "; prefix with '+' to add a new key on purpose"
+            problems.append(f"{where} '{ov.raw}': unknown key '{key}' in {tag}'s config; {advice}{add}")
             continue
         if ov.op == "set" and key in schema.defaults:
-            bad = _type_problem(ov, schema.defaults[key])
+            annotation = key_annotation(schema.package_dir, schema.targets, key) if schema.package_dir else None
+            bad = _type_problem(ov, schema.defaults[key], annotation)
             if bad:
                 problems.append(f"{where} '{ov.raw}': '{key}' {bad}")
     return problems
 
 
 def one_line(problems: Sequence[str]) -> str:
-    """The first problem in full, the count of the others (the CLI prints one line)."""
+    """The first problem in full, then the others: every finding of one check, on one line."""
     if len(problems) == 1:
         return problems[0]
-    return f"{problems[0]} (and {len(problems) - 1} more problem(s); fix this one and re-run)"
+    others = "; ".join(f"({i}) {p}" for i, p in enumerate(problems[1:], start=2))
+    return f"{problems[0]} — and {len(problems) - 1} more: {others}"
 
 
 def override_map(overrides: Iterable[Override]) -> dict[str, str | None]:

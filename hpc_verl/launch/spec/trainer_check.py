@@ -87,7 +87,7 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
             warnings.simplefilter("ignore", VerlNotInstalledWarning)
             cmd = build_verl_command(_user_overrides(job), alloc, python=getattr(profile.ray, "python", "python3"),
                                      attach_to_ray=True, where=f"job config {_source(job)}: verl override",
-                                     launcher_defaults=defaults)
+                                     launcher_defaults=defaults, hydra_args=list(job.trainer.args))
         errors, notes = findings.split(findings.review(
             cmd.resolved, findings.user_keys_of(cmd.user), cmd.verl_version, alloc.nnodes, alloc.gpus_per_node,
             time_limited=profile.scheduler == "slurm", transport=profile.network.transport,
