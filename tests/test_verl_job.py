@@ -4,6 +4,7 @@ override is misspelt or the batch does not divide across the GPUs; rendered othe
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -188,3 +189,29 @@ def test_example_verl_job_validates_and_renders(cli):
     res = cli("validate", "--profile", "ib-a100", "--config", str(REPO / "examples" / "job_verl_gsm8k.yaml"),
               "--no-shellcheck")
     assert res.returncode == 0, res.stderr
+
+
+CPU_NODES = ["accelerator=none", "slurm.gpus_per_node=0"]
+CPU_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "job_verl_cpu.yaml"
+
+
+@needs_verl
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_cpu_example_is_accepted_on_one_and_two_cpu_nodes(nodes):
+    profile = load_profile("testbed", [*CPU_NODES, f"slurm.nodes={nodes}"])
+    check = validate_job_trainer(profile, load_job_config(str(CPU_EXAMPLE)))
+    assert check.kind == "verl" and check.command.resolved["trainer"]["nnodes"] == nodes
+
+
+@needs_verl
+def test_log_prob_micro_batch_larger_than_a_ranks_share_is_one_line_before_submission(cli, tmp_path):
+    """Two CPU nodes, 4 × 2 samples: 4 per rank, and a log-prob micro-batch of 8 makes verl's engine
+    assert at its first compute_log_prob (verl/workers/engine/utils.py), minutes into the job."""
+    out = tmp_path / "job.sbatch"
+    sets = [a for s in [*CPU_NODES, "slurm.nodes=2"] for a in ("--set", s)]
+    res = cli("render", "--profile", "testbed", *sets, "--config", str(CPU_EXAMPLE),
+              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "-o", str(out))
+    assert res.returncode == 2 and not out.exists() and "Traceback" not in res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert "log_prob_micro_batch_size_per_gpu (8) does not divide the 4 samples" in line
+    assert "use one of 1, 2, 4" in line

@@ -245,3 +245,106 @@ def test_without_hydra_keys_come_from_verls_snapshot(monkeypatch):
     # defaults fill in what the user did not set: verl's mini-batch 256 on 24 GPUs does not split
     with pytest.raises(ConfigError, match="256"):
         build_verl_command([ROLLOUT, "data.train_batch_size=1032"], Allocation(3, 8, 64))
+
+
+# ----------------------------------------------------------------------------- the config verl builds
+GRPO = [ROLLOUT, "algorithm.adv_estimator=grpo", "data.train_batch_size=64", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16", *MICRO[:2]]
+
+
+def refusal(overrides, alloc=A100x2, **kw) -> str:
+    with pytest.raises(ConfigError) as e:
+        build_verl_command(overrides, alloc, **kw)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+@needs_verl
+def test_key_added_with_plus_that_verls_dataclass_lacks_is_refused_with_verls_own_reason():
+    msg = refusal([*GRPO, "+actor_rollout_ref.actor.policy_loss.tau_pos=1.0"])
+    assert "PolicyLossConfig" in msg and "has no field 'tau_pos'" in msg
+    # verl's own check says the same when our key check is not the one to catch it (a forced add)
+    msg = refusal([*GRPO, "++actor_rollout_ref.actor.policy_loss.tau_pos=1.0"])
+    assert "refuses this config at start" in msg and "unexpected keyword argument 'tau_pos'" in msg
+
+
+@needs_verl
+def test_types_come_from_verls_dataclass_annotations():
+    build_verl_command([*GRPO, "algorithm.rollout_correction.rollout_is_threshold=0.5_2.0"], A100x2)  # str | float
+    assert "expects an integer" in refusal([*GRPO, "actor_rollout_ref.actor.ppo_mini_batch_size=lots"])
+
+
+@needs_verl
+def test_megatron_keys_are_known_and_its_data_parallel_size_is_gpus_over_tp_pp_cp():
+    meg = [*GRPO, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+           "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]
+    for choice, hydra in ((["model_engine=megatron"], ()), ([], ["--config-name", "ppo_megatron_trainer"]),
+                          ([], ["--config-name=ppo_megatron_trainer.yaml"])):
+        cmd = build_verl_command([*meg, *choice], A100x2, hydra_args=hydra)
+        assert cmd.resolved["actor_rollout_ref"]["actor"]["strategy"] == "megatron"
+    # 16 GPUs / (TP 2 × PP 2) = 4 data-parallel ranks: 64 × 4 / 4 = 64 samples per rank, which a log-prob
+    # micro-batch of 48 does not divide (on all 16 GPUs as data parallel, 16 per rank, it would be "larger")
+    msg = refusal([*meg, "model_engine=megatron", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=48"])
+    assert "the 64 samples each of the 4 data-parallel ranks" in msg
+    # without the engine choice the Megatron keys do not exist (verl's default engine is FSDP)
+    assert "unknown key 'actor_rollout_ref.actor.megatron.tensor_model_parallel_size'" in refusal(meg)
+
+
+@needs_verl
+def test_group_at_package_choices_compose():
+    cmd = build_verl_command([*GRPO, "actor@actor_rollout_ref.actor=megatron_actor",
+                              "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"], A100x2)
+    assert cmd.resolved["actor_rollout_ref"]["actor"]["megatron"]["tensor_model_parallel_size"] == 2
+    assert "config group 'actr' does not exist" in refusal([*GRPO, "actr@actor_rollout_ref.actor=megatron_actor"])
+
+
+@needs_verl
+def test_hydra_settings_pass_through():
+    cmd = build_verl_command([*GRPO, "hydra.run.dir=/tmp/x", "hydra.job.chdir=false"], A100x2)
+    assert "hydra.run.dir=/tmp/x" in cmd.overrides
+
+
+@needs_verl
+@pytest.mark.parametrize("override, needle", [
+    ("actor_rollout_ref.rollout.val_temperature=0.6", "calls this setting 'actor_rollout_ref.rollout.val_kwargs.temperature'"),
+    ("actor_rollout_ref.rollout.n_val=4", "'actor_rollout_ref.rollout.val_kwargs.n'"),
+    ("actor_rollout_ref.actor.fsdp_config.grad_offload=true", "removed it (last in verl 0.2)"),
+    ("ray_init.num_cpus=8", "calls this setting 'ray_kwargs.ray_init.num_cpus'"),
+])
+def test_a_port_from_an_older_verl_gets_verls_own_successor_or_removal(override, needle):
+    msg = refusal([*GRPO, override])
+    assert needle in msg and "did you mean" not in msg
+
+
+@needs_verl
+def test_did_you_mean_only_when_likely_else_the_sections_keys():
+    assert "did you mean 'actor_rollout_ref.rollout.temperature'" not in refusal([*GRPO, "actor_rollout_ref.rollout.temprature=x"])
+    msg = refusal([*GRPO, "actor_rollout_ref.rollout.temprature=0.7"])
+    assert "did you mean 'actor_rollout_ref.rollout.temperature'" in msg
+    msg = refusal([*GRPO, "trainer.wibble=3"])
+    assert "keys under 'trainer':" in msg and "total_epochs" in msg
+
+
+@needs_verl
+def test_every_finding_of_one_check_on_one_line():
+    msg = refusal([*GRPO, "trainer.nnode=2", "trainer.total_epoch=3"])
+    assert msg.index("trainer.nnode") < msg.index("and 1 more") < msg.index("trainer.total_epoch")
+
+
+@needs_verl
+def test_verls_check_runs_in_a_child_python_when_verl_is_not_imported_here(tmp_path):
+    """The CLI's path: verl's modules are not in the process, so its check runs in a child Python."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom hpc_verl.verl_upstream import startup, config\n"
+            "assert not startup._in_process()\n"
+            "i = config.require_verl()\n"
+            "r = startup.run_checks(str(i.config_dir), 'ppo_trainer', sys.argv[1:])\n"
+            "assert 'verl' not in sys.modules, 'verl was imported into the checking process'\n"
+            "print(r.problem)\n")
+    res = subprocess.run([sys.executable, "-c", code, ROLLOUT, "trainer.nnodes=1", "trainer.n_gpus_per_node=8",
+                          "+actor_rollout_ref.actor.policy_loss.tau_pos=1.0"], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "PolicyLossConfig" in res.stdout and "tau_pos" in res.stdout

@@ -49,14 +49,17 @@ def _val_kwargs_successor(key: str, keys: frozenset[str]) -> str | None:
 
 
 def _moved(key: str, keys: frozenset[str]) -> str | None:
-    """The one current key ending with the removed key's trailing path (≥ 2 parts, or the leaf
-    within the same top-level section)."""
+    """The one current key ending with the removed key's trailing path (≥ 2 parts, or a distinctive
+    leaf name that moved into a sub-section of its own section)."""
     parts = key.split(".")
-    for m in range(len(parts) - 1, 0, -1):
+    for m in range(len(parts), 0, -1):
         tail = "." + ".".join(parts[-m:])
         hits = [k for k in keys if k.endswith(tail) and k != key]
-        if m == 1:
-            hits = [k for k in hits if k.split(".")[0] == parts[0]]
+        if m == 1:  # the leaf alone: a distinctive name that moved deeper into its own section
+            parent = ".".join(parts[:-1])
+            if len(parts[-1]) < 10 or "_" not in parts[-1] or not parent:
+                return None
+            hits = [k for k in hits if k.startswith(parent + ".")]
         if len(hits) == 1:
             return hits[0]
         if len(hits) > 1:
