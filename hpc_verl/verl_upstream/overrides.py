@@ -140,9 +140,10 @@ def check_overrides(overrides: Sequence[Override], schema: VerlSchema,
                 continue
             target = _section_target(key, schema)
             if target and has_field(schema.package_dir, target, key.rpartition(".")[2]) is False:
-                problems.append(f"{where} '{ov.raw}': {tag} builds '{key.rpartition('.')[0]}' as "
-                                f"{target.rpartition('.')[2]}, which has no field '{key.rpartition('.')[2]}': "
-                                f"verl refuses the job at start; {unknown_key(key, ov.value, schema)}")
+                cls, section, name = target.rpartition(".")[2], key.rpartition(".")[0], key.rpartition(".")[2]
+                problems.append(f"{where} '{ov.raw}': {tag} refuses it at start: {cls}.__init__() got an unexpected "
+                                f"keyword argument '{name}' ('{section}' becomes verl's {cls}, which has no field "
+                                f"'{name}'); {unknown_key(key, ov.value, schema)}")
             continue
         if ov.op == "force_add":
             continue
