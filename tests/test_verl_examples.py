@@ -5,11 +5,12 @@ argument lists of verl's ``examples/**/run_*.sh`` at the commit it names. For ea
 ground truth is what the installed verl does with the arguments, run here: Hydra's compose,
 resolution, and ``verl.utils.config.validate_config`` (what ``main_ppo.main`` runs before Ray
 starts), then the micro-batch splits verl makes once training runs, each put through verl's own
-``prepare_micro_batches`` with a rank's share of the batch. Our side is the render path (``build_plan``) for ``ib-a100`` with the script's own node
-and GPU counts (``--set slurm.nodes=N --set slurm.gpus_per_node=M``). Data and model paths of the
-scripts do not exist here: a SLURM profile does not check them at render time. Where verl's check
-needs what this machine lacks (the model's files, vLLM), verl's verdict is taken as "accepts" and
-our check must not refuse either.
+``prepare_micro_batches`` with a rank's share of the batch. Our side is the render path
+(``build_plan``) for ``ib-a100`` with the script's own node and GPU counts (``--set
+slurm.nodes=N --set slurm.gpus_per_node=M``). Data and model paths of the scripts do not exist
+here: a SLURM profile does not check them at render time. Where verl's check needs what this
+machine lacks (the model's files, vLLM), verl's verdict is taken as "accepts" and our check
+must not refuse either.
 """
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def runtime_verdict(cfg) -> str | None:
         checks.append((tbs * n // _dp(cfg, "actor_rollout_ref.actor", gpus),
                        arr["rollout"]["log_prob_micro_batch_size_per_gpu"]))
     if need_reference_policy(cfg) and not arr["ref"]["log_prob_use_dynamic_bsz"]:
-        checks.append((tbs * n // _dp(cfg, "actor_rollout_ref.ref", gpus), arr["ref"]["log_prob_micro_batch_size_per_gpu"]))
+        checks.append((tbs * n // _dp(cfg, "actor_rollout_ref.ref", gpus),
+                       arr["ref"]["log_prob_micro_batch_size_per_gpu"]))
     if need_critic(cfg) and not cfg["critic"]["use_dynamic_bsz"]:
         checks.append((cfg["critic"]["ppo_mini_batch_size"] * n // _dp(cfg, "critic", gpus),
                        cfg["critic"]["ppo_micro_batch_size_per_gpu"]))

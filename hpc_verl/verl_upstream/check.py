@@ -73,7 +73,7 @@ def check_config(overrides: Sequence[str], hydra: vconfig.HydraArgs, nnodes: int
     parsed = parse_overrides(overrides, where)
     install = vconfig.find_verl()
     if install is None:
-        resolved = _flat_values(parsed)
+        resolved = flat_values(parsed)
         problems = arithmetic(resolved, nnodes, gpus_per_node)
         if problems:
             raise ConfigError(f"{job_label} on {alloc_source}: {one_line(problems)}")
@@ -94,7 +94,7 @@ def check_config(overrides: Sequence[str], hydra: vconfig.HydraArgs, nnodes: int
         notes.append("hydra-core is not installed: the overrides' keys were checked but not composed, and verl's "
                      "start-up checks were skipped (pip install hydra-core to compose them as main_ppo will)")
         resolved = {k: v for k, v in schema.defaults.items() if not (isinstance(v, str) and "${" in v)}
-        resolved.update(_flat_values(parsed))
+        resolved.update(flat_values(parsed))
         cfg = None
     else:
         cfg = vconfig.compose_dir(schema.config_dir, hydra.config_name, overrides, schema.version)
@@ -123,7 +123,7 @@ def _resolve(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"verl config does not resolve: {' '.join(str(exc).split())}") from exc
 
 
-def _flat_values(parsed: Sequence[Override]) -> dict[str, Any]:
+def flat_values(parsed: Sequence[Override]) -> dict[str, Any]:
     """Without verl: the user's own values only (flat keys; checks skip what is absent)."""
     out: dict[str, Any] = {}
     for ov in parsed:

@@ -18,8 +18,8 @@ from typing import Any, Sequence
 from hpc_verl.errors import ConfigError
 from hpc_verl.util.batch_rules import check_ppo_arithmetic
 from hpc_verl.verl_upstream import config as vconfig
-from hpc_verl.verl_upstream.check import check_config
-from hpc_verl.verl_upstream.overrides import Override, one_line, override_map, parse_overrides
+from hpc_verl.verl_upstream.check import check_config, flat_values
+from hpc_verl.verl_upstream.overrides import one_line, override_map, parse_overrides
 
 MODULE = "verl.trainer.main_ppo"
 
@@ -115,7 +115,7 @@ def build_verl_command(user_overrides: Sequence[str], alloc: Allocation, *, pyth
         if found.version is None:
             warnings.warn(found.warnings[0], VerlNotInstalledWarning, stacklevel=2)
     else:
-        resolved = _flat_values(parsed)
+        resolved = flat_values(parsed)
         problems = check_ppo_arithmetic(resolved, alloc.nnodes, alloc.gpus_per_node, replica_may_span=True,
                                         pairs=False)
         if problems:
@@ -151,16 +151,3 @@ def resolved_config(overrides: Sequence[str]) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
         raise ConfigError(f"verl config does not resolve: {' '.join(str(exc).split())}") from exc
-
-
-def _flat_values(parsed: Sequence[Override]) -> dict[str, Any]:
-    """Without verl: the user's own values only (flat keys; checks skip what is absent)."""
-    out: dict[str, Any] = {}
-    for ov in parsed:
-        if ov.value is None:
-            continue
-        v: Any = ov.value
-        if v.lower() in ("true", "false"):
-            v = v.lower() == "true"
-        out[ov.key.lstrip("+")] = v
-    return out

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 TIMEOUT_S = 120
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -82,13 +82,29 @@ def _classify(exc: BaseException) -> StartupResult:
     return StartupResult(problem=_message(exc))
 
 
+@contextlib.contextmanager
+def _hub_offline() -> Iterator[None]:
+    """The hub offline for the check, also where huggingface_hub was imported before the variable
+    was set (it reads HF_HUB_OFFLINE once, at import): a missing model fails at once, not after
+    the hub client's retries."""
+    constants = sys.modules.get("huggingface_hub.constants")
+    before = getattr(constants, "HF_HUB_OFFLINE", None)
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if constants is not None:
+            constants.HF_HUB_OFFLINE = before  # type: ignore[attr-defined]
+
+
 def check_composed(cfg: Any) -> StartupResult:
     """``validate_config`` on a composed (unresolved) config, as ``main_ppo.main`` calls it."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _hub_offline():
             warnings.simplefilter("ignore")
             validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     except Exception as exc:  # noqa: BLE001 - whatever verl raises is its verdict on the job

@@ -22,7 +22,8 @@ _JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 # Hydra-style override keys: optional +/++/~ prefix, dotted identifiers (list indices allowed), and
 # config-group choices: ``model_engine``, ``group@package`` (actor@actor_rollout_ref.actor), ``group/sub``.
-_OVERRIDE_KEY_RE = re.compile(r"^(\+\+|\+|~)?[A-Za-z_][A-Za-z0-9_-]*([./][A-Za-z0-9_-]+)*(@[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*)?$")
+_OVERRIDE_KEY_RE = re.compile(r"^(\+\+|\+|~)?[A-Za-z_][A-Za-z0-9_-]*([./][A-Za-z0-9_-]+)*"
+                              r"(@[A-Za-z_][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*)?$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 _module = matches(_MODULE_RE, "a Python module name like hpc_verl.trainer.main")
