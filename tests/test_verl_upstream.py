@@ -351,3 +351,17 @@ def test_verls_check_runs_in_a_child_python_when_verl_is_not_imported_here(tmp_p
                          timeout=300)
     assert res.returncode == 0, res.stderr
     assert "PolicyLossConfig" in res.stdout and "tau_pos" in res.stdout
+
+
+@needs_verl
+def test_verls_verdict_is_kept_for_the_same_request(tmp_path, monkeypatch):
+    """validate, render and submit of one job pay verl's import once: the second check of the same
+    request reads the kept verdict (no child Python: subprocess.run would fail here)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(startup, "_in_process", lambda: False)
+    install = vconfig.require_verl()
+    args = [ROLLOUT, "trainer.nnodes=1", "trainer.n_gpus_per_node=8", "+actor_rollout_ref.actor.policy_loss.tau_pos=1"]
+    first = startup.run_checks(str(install.config_dir), "ppo_trainer", args)
+    assert first.problem and "tau_pos" in first.problem
+    monkeypatch.setattr(startup.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    assert startup.run_checks(str(install.config_dir), "ppo_trainer", args) == first

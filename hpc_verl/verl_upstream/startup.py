@@ -17,6 +17,7 @@ job (the job runs where those exist).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 TIMEOUT_S = 120
@@ -137,6 +139,13 @@ def run_checks(config_dir: str, config_name: str, overrides: Sequence[str], cfg:
             os.environ.setdefault(key, value)
         return check_composed(cfg)
     request = json.dumps({"config_dir": config_dir, "config_name": config_name, "overrides": list(overrides)})
+    cache = _cache_file(config_dir, request)
+    if cache is not None and cache.is_file():
+        try:
+            answer = json.loads(cache.read_text())
+            return StartupResult(answer.get("problem"), None)
+        except (OSError, ValueError):
+            pass
     env = {**os.environ, **OFFLINE_ENV, "CUDA_VISIBLE_DEVICES": ""}
     try:
         done = subprocess.run([sys.executable, "-m", __name__], input=request, capture_output=True, text=True,
@@ -148,7 +157,32 @@ def run_checks(config_dir: str, config_name: str, overrides: Sequence[str], cfg:
         tail = _flat(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
         return StartupResult(skipped=f"verl's own check could not run here ({tail})")
     answer = json.loads(lines[-1])
+    if cache is not None and not answer.get("skipped"):  # a full verdict only: a missing model may appear later
+        _write_atomic(cache, json.dumps({"problem": answer.get("problem")}))
     return StartupResult(answer.get("problem"), answer.get("skipped"))
+
+
+def _cache_file(config_dir: str, request: str) -> Path | None:
+    """Where verl's verdict on this exact request is kept (``validate``, then ``render``, then ``submit``
+    of one job pay verl's import once): keyed by the request and verl's installed check code."""
+    try:
+        verl_dir = Path(config_dir).resolve().parents[1]
+        stamp = "|".join(str((verl_dir / rel).stat().st_mtime_ns) for rel in ("utils/config.py", "version/version"))
+    except (OSError, IndexError):
+        return None
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpc_verl" / "verl-check"
+    digest = hashlib.sha256(f"{verl_dir}|{stamp}|{request}".encode()).hexdigest()[:32]
+    return root / f"{digest}.json"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache only
 
 
 def _main() -> None:
