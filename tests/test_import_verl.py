@@ -59,6 +59,8 @@ FSDP_SHAPE = textwrap.dedent('''\
     )
     ROLLOUT=(
         actor_rollout_ref.rollout.name=${BACKEND}
+        actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+        actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4
         actor_rollout_ref.rollout.tensor_model_parallel_size=${rollout_tp}
         actor_rollout_ref.actor.fsdp_config.param_offload=${offload}
     )
@@ -121,7 +123,9 @@ def test_fsdp_shaped_script_with_the_device_chosen(tmp_path):
         "algorithm.adv_estimator": "grpo",
         "data.train_files": "['/home/u/data/gsm8k/train.parquet', '/home/u/data/math/train.parquet']",
         "data.train_batch_size": "1024", "data.max_prompt_length": "1024", "data.truncation": "error",
-        "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size": "2",
+        "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "4",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": "2",
         "actor_rollout_ref.actor.fsdp_config.param_offload": "False",
         "trainer.logger": '["console","wandb"]', "trainer.n_gpus_per_node": "8", "trainer.nnodes": "1"}
     # the one value only a run knows: named in one line, left out

@@ -19,6 +19,10 @@ DATA = Path(__file__).resolve().parent / "data" / "verl_scripts"
 MAIN_PPO = ["python3", "-m", "verl.trainer.main_ppo"]
 
 
+# verl refuses an actor without a micro-batch size (its own start-up check)
+MICRO = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1"]
+
 def script_args(name: str) -> list[str]:
     """The main_ppo arguments of a verl example script, as kept in tests/data/verl_scripts."""
     return [ln for ln in (DATA / name).read_text().splitlines() if ln.strip() and not ln.startswith("#")]
@@ -87,12 +91,12 @@ def test_hostile_strings_reach_the_trainer_literally(cli, tmp_path):
                "data.train_files=['/d/a b.parquet', \"/d/c'd.parquet\"]", "trainer.default_hdfs_dir='x\\y$HOME'"]
     out = tmp_path / "job.sbatch"
     res = cli("render", "--profile", "ib-a100", "--check", "-o", str(out), "--", *MAIN_PPO,
-              "actor_rollout_ref.rollout.name=vllm", *hostile, cwd=tmp_path, timeout=180)
+              "actor_rollout_ref.rollout.name=vllm", *MICRO, *hostile, cwd=tmp_path, timeout=180)
     assert res.returncode == 0, res.stderr  # --check: bash -n and shellcheck pass
     line = next(ln for ln in out.read_text().splitlines() if ln.strip().startswith("HPCV_TRAINER_ARGS=("))
     got = subprocess.run(["bash", "-c", line + '; printf "%s\\n" "${HPCV_TRAINER_ARGS[@]}"'], cwd=tmp_path,
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert got == ["actor_rollout_ref.rollout.name=vllm", *hostile]
+    assert got == ["actor_rollout_ref.rollout.name=vllm", *MICRO, *hostile]
     assert not (tmp_path / "PWNED").exists()
 
 
@@ -143,7 +147,7 @@ def test_size_conflicts_are_one_line_naming_the_set(cli, tmp_path, overrides, se
 def test_job_size_in_a_submission_goes_to_the_script(tmp_path, monkeypatch):
     from hpc_verl.launch.spec.launch_plan import build_plan
 
-    plan = build_plan("ib-a100", None, None, command=[*MAIN_PPO, "actor_rollout_ref.rollout.name=vllm",
+    plan = build_plan("ib-a100", None, None, command=[*MAIN_PPO, "actor_rollout_ref.rollout.name=vllm", *MICRO,
                                                       "trainer.nnodes=1", "trainer.n_gpus_per_node=4"])
     assert plan.nodes == 1 and plan.gpus_per_node == 4
     assert "--nodes=1" in plan.sbatch_options and "--gpus-per-node=4" in plan.sbatch_options
