@@ -224,3 +224,21 @@ def test_resume_refuses_changes_a_running_job_and_leaves_a_dry_run_untouched(cli
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_failed_stage_is_named_with_its_last_line_in_the_log_and_status(cli, tmp_path, tiny_model, home):
+    """A preprocess module whose import fails (a missing dependency) ends the job with
+    'error: preprocess: <its last line>' in the job log, and that line is the status reason."""
+    wd = _workdir(tmp_path, tiny_model)
+    (wd / "badprep.py").write_text("import hpc_verl_missing_dependency  # noqa\n")
+    job = local.demo_job_dict()
+    job["data"] = {**job["data"], "preprocess_module": "badprep", "dir": "data"}
+    job["model"] = {"path": "models/tiny"}
+    (wd / "job.yaml").write_text(yaml.safe_dump(job))
+    res = cli("submit", "--profile", "local", "--config", "job.yaml", cwd=wd, env=home, timeout=150)
+    assert res.returncode != 0
+    want = "preprocess: ModuleNotFoundError: No module named 'hpc_verl_missing_dependency'"
+    assert f"error: {want}" in res.stdout + res.stderr, (res.stdout + res.stderr)[-3000:]
+    job_id = next((Path(home["HPC_VERL_HOME"]) / "jobs").iterdir()).name
+    status = cli("status", job_id, "--json", cwd=wd, env=home)
+    assert want in json.loads(status.stdout)["reason"], status.stdout

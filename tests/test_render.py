@@ -157,6 +157,18 @@ def test_absolute_job_path_outside_mounts_is_refused(tmp_path):
     assert build_plan("ib-a100", str(job), profile_overrides=["container.mounts=[/elsewhere:/elsewhere]"])
 
 
+def test_absolute_job_path_under_the_submit_directory_is_accepted(tmp_path, monkeypatch):
+    """The submit directory is mounted into the container: an absolute path below it is inside."""
+    job = tmp_path / "job.yaml"
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    job.write_text(f"model:\n  path: {tmp_path / 'models' / 'tiny'}\ndata:\n  dir: {tmp_path / 'data'}\n")
+    monkeypatch.chdir(tmp_path)
+    assert build_plan("ib-a100", str(job))
+    monkeypatch.chdir(tmp_path / "models")  # submitted from below: the job's data dir is not mounted
+    with pytest.raises(RenderError, match="data.dir .* is outside every directory mounted"):
+        build_plan("ib-a100", str(job))
+
+
 def test_cli_render_writes_atomically_and_refuses_bad_input(cli, tmp_path):
     out = tmp_path / "job.sbatch"
     res = cli("render", "--profile", "ib-a100", "-o", str(out), "trainer.total_epochs=2", cwd=tmp_path)

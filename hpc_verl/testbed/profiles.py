@@ -9,6 +9,10 @@ port block at the same moment; each bed therefore gets its own range of
 ``PORT_SLOTS`` blocks, picked at random (the node's port probe handles the rest).
 The test bed is loopback-only by nature (both slurmd on one host), hence
 ``network.allow_loopback: true`` in the shipped ones.
+
+Each of them has a CPU twin for upstream verl with its engines (``testbed-cpu``,
+``testbed-cpu-podman``, ``testbed-cpu-docker``): ``accelerator: none``, all of the
+test bed's nodes (``CPU_NODES``), no GPUs, both CPUs of a node to its task.
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ from hpc_verl.util.fs import atomic_write_text
 REPO = Path(__file__).resolve().parents[2]
 PORT_STRIDE = 100
 PORT_SLOTS = 10  # a bed runs a few jobs at once; ids wrap within its own range
+CPU_NODES = 2
+#: what the CPU twins change: verl's CPU platform, one rank per node (see hpc_verl.verl_upstream.cpu)
+CPU = {"accelerator": "none", "slurm": {"nodes": CPU_NODES, "gpus_per_node": 0, "cpus_per_task": 2}}
 
 
 def write_profiles(directory: str | Path, python: str | None = None, temp_root: str = "/tmp/hpcv-tb",
@@ -45,13 +52,22 @@ def write_profiles(directory: str | Path, python: str | None = None, temp_root: 
     local = {"description": "this machine's SLURM test bed, no container (generated)", "extends": "testbed",
              "ray": ray, "env": env}
     atomic_write_text(d / "testbed-local.yaml", yaml.safe_dump(local, sort_keys=False))
+    _cpu_twin(d, "testbed-cpu", "testbed-local", "no container")
     if image:
         pod = {"description": "this machine's SLURM test bed, podman (generated)", "extends": "testbed-podman",
                "container": {"image": image}, "ray": ray, "env": env}
         atomic_write_text(d / "testbed-podman-local.yaml", yaml.safe_dump(pod, sort_keys=False))
+        _cpu_twin(d, "testbed-cpu-podman", "testbed-podman-local", "podman")
     if image and docker_host:
         dock = {"description": "this machine's SLURM test bed, docker (generated)", "extends": "testbed-docker",
                 "container": {"image": image}, "ray": ray,
                 "env": {"vars": {**env["vars"], "DOCKER_HOST": docker_host}}}
         atomic_write_text(d / "testbed-docker-local.yaml", yaml.safe_dump(dock, sort_keys=False))
+        _cpu_twin(d, "testbed-cpu-docker", "testbed-docker-local", "docker")
     return d
+
+
+def _cpu_twin(d: Path, name: str, base: str, how: str) -> None:
+    twin = {"description": f"this machine's SLURM test bed, {CPU_NODES} CPU nodes for upstream verl, {how} "
+                           "(generated)", "extends": base, **CPU}
+    atomic_write_text(d / f"{name}.yaml", yaml.safe_dump(twin, sort_keys=False))

@@ -14,6 +14,7 @@ Rules that keep the scripts safe and reviewable:
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 from functools import lru_cache
@@ -193,15 +194,23 @@ def requeue_exit_code(profile: Profile) -> int:
 
 
 def _job_paths(profile: Profile, job: JobConfig) -> None:
-    """Absolute job paths must be inside a directory that is mounted into the container."""
+    """Absolute job paths must be inside a directory that is mounted into the container: the submit
+    directory (where the job is submitted from: this process's working directory, as sbatch's), the
+    profile's ``paths.*`` and ``container.mounts``."""
     if profile.container.runtime == "none":
         return
-    roots = [p for p in (profile.paths.job_root, profile.paths.data_dir, profile.paths.model_dir,
-                         profile.paths.cache_dir) if p.startswith("/")]
+    roots = [os.getcwd()]
+    roots += [p for p in (profile.paths.job_root, profile.paths.data_dir, profile.paths.model_dir,
+                          profile.paths.cache_dir) if p.startswith("/")]
     roots += [m.split(":")[0] for m in profile.container.mounts if m.startswith("/")]
+    roots += [os.path.realpath(r) for r in roots]
+
+    def inside(value: str) -> bool:
+        return any(v.rstrip("/") == r.rstrip("/") or v.startswith(r.rstrip("/") + "/")
+                   for r in roots for v in (value, os.path.realpath(value)))
+
     for key, value in (("data.raw", job.data.raw), ("data.dir", job.data.dir), ("model.path", job.model.path)):
-        if value and value.startswith("/") and not any(
-                value.rstrip("/") == r.rstrip("/") or value.startswith(r.rstrip("/") + "/") for r in roots):
+        if value and value.startswith("/") and not inside(value):
             raise RenderError(f"job config {job.source}: {key} {value!r} is outside every directory mounted into "
                               "the container (the submit directory, paths.*, container.mounts); use a relative "
                               "path or add a mount with --set container.mounts=[...]")

@@ -173,6 +173,8 @@ def env(profile_vars: Mapping[str, str] | None = None) -> list[tuple[str, str, s
         ("VERL_PLATFORM", PLATFORM, "verl's platform: the CPU one that plugin registers"),
         ("VLLM_TARGET_DEVICE", "cpu", "vLLM's CPU platform"),
         ("RAY_prestart_worker_first_driver", "0", "Ray starts no idle worker per logical CPU"),
+        ("TORCH_COMPILE_DISABLE", "1", "vLLM's sampler is @torch.compile'd (enforce_eager does not cover it) and "
+         "inductor needs a C++ compiler, which a node image may lack; eager runs the same maths on CPU"),
     ) if name not in profile_vars]
     return out
 
