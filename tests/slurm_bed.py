@@ -4,6 +4,10 @@
 own (or reuses ``$HPC_VERL_TESTBED_DIR`` when a person started one with
 ``scripts/testbed.sh up``; that one is left running), writes this machine's
 test bed profiles, builds the podman image, and tears everything down at the end.
+The image (with the engines: some GB) is built in the background: its reference is a content
+key known at once, so the profiles are written before it exists, and only what runs a
+container waits for it (``Bed.podman_image``, ``Bed.cli`` with a podman or docker profile).
+Its root file system tar is kept until ``docker_testbed`` imports the same tar into Docker.
 ``docker_testbed`` adds a Docker daemon of the test bed's own, for the tests that need one.
 GPUs are fake (empty device files behind SLURM's gres); everything else is real.
 """
@@ -16,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,12 +36,24 @@ class Bed:
     dir: Path
     env: dict[str, str]
     temp_root: str
-    podman_image: str | None = None
+    image_ref: str | None = None
+    image_build: Future | None = None
+    image_tar: Path | None = None
     submitted: list[int] = field(default_factory=list)
 
-    def cli(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    @property
+    def podman_image(self) -> str | None:
+        """The image's reference, once it is built (waits for the background build; its error fails here)."""
+        if self.image_build is not None:
+            self.image_build.result()
+        return self.image_ref
+
+    def cli(self, *args: str, env: dict | None = None, timeout: float = 120,
+            cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess:
+        if "--profile" in args and any(w in args[args.index("--profile") + 1] for w in ("podman", "docker")):
+            self.podman_image  # noqa: B018 - the job's containers need the image
         return subprocess.run([sys.executable, "-m", "hpc_verl", *args], env={**self.env, **(env or {})},
-                              capture_output=True, text=True, timeout=timeout, cwd=str(self.dir))
+                              capture_output=True, text=True, timeout=timeout, cwd=str(cwd or self.dir))
 
     def slurm(self, *cmd: str) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=60)
@@ -90,11 +107,15 @@ def slurm_testbed():
     owned = not bed.is_up()
     bed.up()
     temp_root = _short_tmp()
-    image = None
+    image = build = tar = None
+    pool = ThreadPoolExecutor(max_workers=1)
     if shutil.which("podman"):
-        from hpc_verl.testbed.image import build_image
+        from hpc_verl.testbed.image import build_image, image_ref, image_tree
 
-        image = build_image(sys.executable)
+        tree = image_tree(sys.executable)
+        image = image_ref(tree)
+        tar = Path(tempfile.mkdtemp(prefix="hpcv-image-")) / "rootfs.tar"
+        build = pool.submit(build_image, sys.executable, tree, tar)
     prof_dir = write_profiles(bed_dir / "profiles", sys.executable, temp_root=temp_root, image=image,
                               readiness_timeout_s=90)
     home = bed_dir / "home"
@@ -102,10 +123,13 @@ def slurm_testbed():
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     for k in ("HPC_VERL_FAULT", "HPC_VERL_FAULT_NODE", "RAY_ADDRESS"):
         env.pop(k, None)
-    b = Bed(bed_dir, env, temp_root, image)
+    b = Bed(bed_dir, env, temp_root, image, build, tar)
     try:
         yield b
     finally:
+        pool.shutdown(wait=True)
+        if tar is not None:
+            shutil.rmtree(tar.parent, ignore_errors=True)
         if owned:
             bed.down()
             shutil.rmtree(bed_dir, ignore_errors=True)
@@ -148,7 +172,9 @@ def docker_testbed(slurm_testbed):
     daemon = DockerDaemon(tempfile.mkdtemp(prefix="hpcvd", dir="/tmp"))
     try:
         daemon.start()
-        image = docker_image(daemon, sys.executable, podman_ref=bed.podman_image)
+        image = docker_image(daemon, sys.executable, podman_ref=bed.podman_image, tar=bed.image_tar)
+        if bed.image_tar is not None:  # (its only reader)
+            bed.image_tar.unlink(missing_ok=True)
         # the image runs and holds Ray's agents; reading them once also warms the fresh layer's files, so
         # that a first job's dashboard agent does not miss the raylet's start bound on a loaded machine
         warm = daemon.docker("run", "--rm", "--network", "host", "--env", f"PYTHONPATH={REPO}", image,

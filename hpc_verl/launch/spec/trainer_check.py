@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_verl.errors import ConfigError
-from hpc_verl.verl_upstream import findings
+from hpc_verl.verl_upstream import findings, neighbours
 from hpc_verl.verl_upstream.config import find_verl
 from hpc_verl.verl_upstream.cpu import rules as cpu_rules
 from hpc_verl.verl_upstream.command import runs_verl
@@ -74,6 +74,7 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
     """Raise ConfigError (one line) if the job's trainer config cannot run on this allocation."""
     alloc = allocation_of(profile, nodes)
     if trainer_kind(job) == "verl":
+        _refuse_bad_neighbours(profile, job)
         defaults: list[tuple[str, str]] = []
         if cpu_rules.applies(profile, job):  # a smoke run on CPU: refusals and settings before anything starts
             alloc = cpu_allocation(profile, alloc)
@@ -102,6 +103,14 @@ def validate_job_trainer(profile: Any, job: Any, nodes: int | None = None) -> Tr
             print(f"hpc-verl: warning: {line}", file=sys.stderr)
         return TrainerCheck("verl", cmd, list(cmd.warnings))
     return _validate_builtin(profile, job, alloc)
+
+
+def _refuse_bad_neighbours(profile: Any, job: Any) -> None:
+    """Packages in the job's Python that make verl or vLLM fail at run time (verl_upstream.neighbours)."""
+    python = getattr(profile.ray, "python", "python3")
+    bad = neighbours.problems(neighbours.installed(python) or {})
+    if bad:
+        raise ConfigError(f"job config {_source(job)}: the job's Python ({python}): {'; '.join(bad)}")
 
 
 def cpu_allocation(profile: Any, alloc: Allocation) -> Allocation:
