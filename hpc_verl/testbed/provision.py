@@ -44,7 +44,8 @@ def provision(bed: TestBed, python: str | None = None, say: Callable[[str], None
     if _have("podman"):
         t0 = time.monotonic()
         say("test bed: building the node image (reused when this Python's packages did not change)...")
-        image = build_image(py)
+        tar = bed.dir / "image-rootfs.tar"  # one tar for podman and Docker, removed once both have it
+        image = build_image(py, keep_tar=tar)
         say(f"test bed: image {image} ({time.monotonic() - t0:.0f} s)")
     else:
         say("test bed: no podman: the podman and docker profiles are left out")
@@ -53,11 +54,13 @@ def provision(bed: TestBed, python: str | None = None, say: Callable[[str], None
 
         daemon = DockerDaemon(docker_dir(bed)).start()
         t0 = time.monotonic()
-        docker_image(daemon, py, podman_ref=image)
+        docker_image(daemon, py, podman_ref=image, tar=tar)
         docker_host = daemon.host
         say(f"test bed: Docker daemon at {docker_host} holds the image ({time.monotonic() - t0:.0f} s)")
     elif image:
         say("test bed: no dockerd (or not root): the docker profiles are left out")
+    if image:
+        tar.unlink(missing_ok=True)
     prof = write_profiles(profile_dir(bed), py, temp_root=TEMP_ROOT, image=image, readiness_timeout_s=90,
                           docker_host=docker_host)
     say(f"test bed: profiles in {prof}: " + ", ".join(sorted(p.stem for p in prof.glob("*.yaml"))))
