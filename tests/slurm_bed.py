@@ -88,6 +88,25 @@ class Bed:
             time.sleep(0.5)
 
 
+#: run once in a fresh image: reads what a node's Ray start reads under a bound (the raylet and GCS binaries,
+#: the dashboard agent's imports), so that a first job's raylet, on a loaded machine, does not miss Ray's
+#: 30 s registration bound reading a cold multi-GB layer
+WARM_CODE = ("import glob, os, ray, ray.dashboard.agent, hpc_verl.bootstrap.node; "
+             "[open(p, 'rb').read() for p in glob.glob(os.path.join(os.path.dirname(ray.__file__), 'core', 'src', "
+             "'ray', '*', '*')) if os.path.isfile(p)]")
+
+
+def _build_and_warm(tree, tar: Path) -> str:
+    from hpc_verl.testbed.image import PODMAN_GLOBAL, PODMAN_RUN, build_image
+
+    ref = build_image(sys.executable, tree, tar)
+    warm = subprocess.run(["podman", *PODMAN_GLOBAL, "run", "--rm", *PODMAN_RUN, "--network", "host", "--env",
+                           f"PYTHONPATH={REPO}", ref, sys.executable, "-c", WARM_CODE],
+                          capture_output=True, text=True, timeout=600)
+    assert warm.returncode == 0, f"the podman image cannot import Ray and the project: {warm.stderr[-1500:]}"
+    return ref
+
+
 def _short_tmp() -> str:
     # Ray's Unix sockets live under the temp root: keep it short
     return tempfile.mkdtemp(prefix="hpcvt", dir="/tmp")
@@ -110,12 +129,12 @@ def slurm_testbed():
     image = build = tar = None
     pool = ThreadPoolExecutor(max_workers=1)
     if shutil.which("podman"):
-        from hpc_verl.testbed.image import build_image, image_ref, image_tree
+        from hpc_verl.testbed.image import image_ref, image_tree
 
         tree = image_tree(sys.executable)
         image = image_ref(tree)
         tar = Path(tempfile.mkdtemp(prefix="hpcv-image-")) / "rootfs.tar"
-        build = pool.submit(build_image, sys.executable, tree, tar)
+        build = pool.submit(_build_and_warm, tree, tar)
     prof_dir = write_profiles(bed_dir / "profiles", sys.executable, temp_root=temp_root, image=image,
                               readiness_timeout_s=90)
     home = bed_dir / "home"
@@ -178,8 +197,7 @@ def docker_testbed(slurm_testbed):
         # the image runs and holds Ray's agents; reading them once also warms the fresh layer's files, so
         # that a first job's dashboard agent does not miss the raylet's start bound on a loaded machine
         warm = daemon.docker("run", "--rm", "--network", "host", "--env", f"PYTHONPATH={REPO}", image,
-                             sys.executable, "-c", "import ray.dashboard.agent, hpc_verl.bootstrap.node",
-                             timeout_s=300)
+                             sys.executable, "-c", WARM_CODE, timeout_s=600)
         assert warm.returncode == 0, f"the docker image cannot import Ray and the project: {warm.stderr[-1500:]}"
         prof_dir = bed.dir / "profiles"
         ray = yaml.safe_load((prof_dir / "testbed-local.yaml").read_text())["ray"]

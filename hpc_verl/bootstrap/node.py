@@ -13,7 +13,8 @@ with ``HPC_VERL_FAULT=hang`` (the node never joins but its step stays alive) or
 ``HPC_VERL_FAULT=crash`` (its Ray start fails at once) or ``HPC_VERL_FAULT=port-race`` (the
 supervisor itself listens on the node's GCS/node-manager port right after probing it, as another
 process would; ``ray start`` fails there and is retried on the next free block, at most
-``RAY_START_TRIES`` times, each retry logged).
+``RAY_START_TRIES`` times, each retry logged). A raylet that misses Ray's own fixed 30 s bound to
+register with the GCS (a loaded node, a cold multi-GB image) is retried the same way.
 """
 from __future__ import annotations
 
@@ -55,6 +56,15 @@ class _RayLost(BootstrapError):
 
 class _PortTaken(Exception):
     """This attempt's ports were taken by another process between the probe and the bind."""
+
+
+class _SlowRegistration(_PortTaken):
+    """Ray's own fixed bound (30 s) for the raylet to register with the GCS passed: a loaded node or a
+    cold image, not a broken one; the next attempt (with warm caches) runs within the readiness bound."""
+
+
+#: what ``ray start`` prints when its raylet did not register within Ray's fixed bound
+SLOW_REGISTRATION = "The current node timed out during startup"
 
 
 def _squat(port: int) -> socket.socket:
@@ -199,6 +209,8 @@ class NodeSupervisor:
                 child = self._start_ray(ip, ports, deadline, crash=fault == "crash")
                 break
             except _PortTaken as exc:
+                if (attempt == RAY_START_TRIES or time.monotonic() > deadline) and isinstance(exc, _SlowRegistration):
+                    raise BootstrapError(str(exc)) from None
                 if attempt == RAY_START_TRIES or time.monotonic() > deadline:
                     raise BootstrapError(f"node {self.node}: ray start failed {attempt} times on ports taken by "
                                          f"other processes (last: {exc}); find them with 'ss -ltnp' or change "
@@ -308,7 +320,10 @@ class NodeSupervisor:
         if taken:
             shown = ", ".join(map(str, taken[:6])) + (" ..." if len(taken) > 6 else "")
             raise _PortTaken(f"{what}; port(s) {shown} of block {ports.block_start} are held by another process")
-        raise BootstrapError(self._start_failure(child, log_path, what))
+        failure = self._start_failure(child, log_path, what)
+        if SLOW_REGISTRATION in failure:
+            raise _SlowRegistration(failure)
+        raise BootstrapError(failure)
 
     def _find(self, name: str) -> int | None:
         for pid in procs.descendants(os.getpid()):
