@@ -10,7 +10,8 @@ the job's ``bootstrap watch`` sees it and ends the job within a second or two).
 
 Fault injection for tests (real processes, fake fault): ``HPC_VERL_FAULT_NODE=<node>``
 with ``HPC_VERL_FAULT=hang`` (the node never joins but its step stays alive) or
-``HPC_VERL_FAULT=crash`` (its Ray start fails at once) or ``HPC_VERL_FAULT=port-race`` (the
+``HPC_VERL_FAULT=crash`` (its Ray start fails at once), ``HPC_VERL_FAULT=slow-registration`` (its first
+``ray start`` ends as one whose raylet missed Ray's registration bound) or ``HPC_VERL_FAULT=port-race`` (the
 supervisor itself listens on the node's GCS/node-manager port right after probing it, as another
 process would; ``ray start`` fails there and is retried on the next free block, at most
 ``RAY_START_TRIES`` times, each retry logged). A raylet that misses Ray's own fixed 30 s bound to
@@ -206,7 +207,8 @@ class NodeSupervisor:
             self._squatter = _squat(ports.gcs if self.is_head else ports.node_manager)
         for attempt in range(1, RAY_START_TRIES + 1):
             try:
-                child = self._start_ray(ip, ports, deadline, crash=fault == "crash")
+                child = self._start_ray(ip, ports, deadline, crash=fault == "crash",
+                                        slow=fault == "slow-registration" and attempt == 1)
                 break
             except _PortTaken as exc:
                 if (attempt == RAY_START_TRIES or time.monotonic() > deadline) and isinstance(exc, _SlowRegistration):
@@ -249,7 +251,8 @@ class NodeSupervisor:
         """Where this node's Ray logs are kept once its temp dir is removed."""
         return Path(self.job_dir) / "logs" / "ray" / self.node
 
-    def _start_ray(self, ip: str, ports: Any, deadline: float, crash: bool = False) -> subprocess.Popen | None:
+    def _start_ray(self, ip: str, ports: Any, deadline: float, crash: bool = False,
+                   slow: bool = False) -> subprocess.Popen | None:
         """One ``ray start`` on ``ports``; returns once it succeeded (None: the job is stopping).
 
         The head publishes ``head.json`` as soon as *its own* GCS listens (a port another process took
@@ -266,6 +269,8 @@ class NodeSupervisor:
             + ["--", *self.ray_start_args(ip, ports)]
         if crash:
             cmd = [sys.executable, "-c", "import sys; sys.exit('injected fault: ray start failed')"]
+        if slow:  # what ray start ends with when its raylet missed Ray's registration bound
+            cmd = [sys.executable, "-c", f"import sys; sys.exit('injected fault: Exception: {SLOW_REGISTRATION}.')"]
         os.makedirs(self.temp_dir, exist_ok=True)
         log_path = os.path.join(self.temp_dir, "ray-start.log")
         with open(log_path, "ab") as log:
