@@ -21,6 +21,7 @@ def test_cpu_twins_are_two_cpu_nodes_of_each_runtime(tmp_path, monkeypatch):
         p = load_profile(name)
         assert (p.accelerator, p.slurm.nodes, p.slurm.gpus_per_node, p.slurm.cpus_per_task) == ("none", 2, 0, 2), name
         assert p.container.runtime == runtime and p.ray.python == "/opt/py/bin/python", name
+        assert p.ray.readiness_timeout_s == 240, name
         if runtime != "none":
             assert p.container.image == "localhost/hpc-verl-testbed:abc", name
     assert load_profile("testbed-cpu-docker").env.vars["DOCKER_HOST"] == "unix:///tmp/x/docker.sock"

@@ -28,8 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
 PORT_STRIDE = 100
 PORT_SLOTS = 10  # a bed runs a few jobs at once; ids wrap within its own range
 CPU_NODES = 2
-#: what the CPU twins change: verl's CPU platform, one rank per node (see hpc_verl.verl_upstream.cpu)
-CPU = {"accelerator": "none", "slurm": {"nodes": CPU_NODES, "gpus_per_node": 0, "cpus_per_task": 2}}
+#: what the CPU twins change: verl's CPU platform, one rank per node (see hpc_verl.verl_upstream.cpu), and a
+#: longer Ray readiness bound: a node's first start from the multi-GB engine image reads it cold, and a raylet
+#: that misses Ray's own 30 s registration bound is started again (hpc_verl.bootstrap.node)
+CPU_READINESS_S = 240
+CPU = {"accelerator": "none", "slurm": {"nodes": CPU_NODES, "gpus_per_node": 0, "cpus_per_task": 2},
+       "ray": {"readiness_timeout_s": CPU_READINESS_S}}
 
 
 def write_profiles(directory: str | Path, python: str | None = None, temp_root: str = "/tmp/hpcv-tb",
