@@ -206,7 +206,7 @@ def docker_testbed(slurm_testbed):
                        docker_host=daemon.host)
         yield DockerBed(daemon, image)
     finally:
-        daemon.remove()
+        daemon.remove(background=True)  # (its multi-GB image takes minutes to delete: not in the last test's time)
 
 
 # ----------------------------------------------------------------------------- leftovers

@@ -161,9 +161,15 @@ class DockerDaemon:
             subprocess.run(["umount", "-l", mount], capture_output=True)
         self.pidfile.unlink(missing_ok=True)
 
-    def remove(self) -> None:
-        """Stop, then delete the directory (images and all)."""
+    def remove(self, background: bool = False) -> None:
+        """Stop, then delete the directory (images and all). ``background``: the deletion (minutes for an
+        image of some GB on a busy disk) runs on in an ``rm -rf`` of its own after this returns; the
+        daemon is stopped and its mounts are gone before, so nothing else uses the directory."""
         self.stop()
+        if background:
+            subprocess.Popen(["rm", "-rf", "--one-file-system", str(self.dir)], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            return
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # ---- images ----------------------------------------------------------
