@@ -41,7 +41,7 @@ def _micro_batch_sets() -> list[str]:
 @pytest.fixture(scope="module")
 def submit_dir(tmp_path_factory) -> Path:
     """A directory laid out as the example expects: the shipped sample and a tiny model at its paths."""
-    from hpc_verl.trainer.model import make_tiny_model
+    from hpc_verl.trainer.models.tiny import make_tiny_model
 
     wd = tmp_path_factory.mktemp("verlc")
     raw = yaml.safe_load(EXAMPLE.read_text())["data"]["raw"]
