@@ -216,6 +216,27 @@ def test_barrier_ready_writes_env(tmp_path, sleeper):
     assert "RAY_AUTH_TOKEN_PATH=" in env and "Ray ready: 3 nodes, 6 GPUs" in out.getvalue()
 
 
+def test_barrier_follows_a_head_that_published_a_new_address(tmp_path, sleeper):
+    # the head's first ray start published head.json, then failed (raylet registration bound) and
+    # came up on its next port block: the barrier must ask the new address, not the first one
+    _plan(tmp_path)
+    _head(tmp_path)
+    asked: list[str] = []
+
+    def view(address: str, _timeout: float) -> ClusterView:
+        asked.append(address)
+        if len(asked) == 2:
+            atomic_write_json(tmp_path / "ray" / "head.json", {"address": "127.0.0.1:9", "dashboard_host":
+                                                               "127.0.0.1", "dashboard_port": 2, "node": "n1"})
+        if address.endswith(":9"):
+            return ClusterView(["n1", "n2", "n3"], 6)
+        return ClusterView(error="connection refused")
+
+    res = Barrier(str(tmp_path), {sleeper.pid: "head"}, view=view, poll_s=0.01, out=io.StringIO()).wait()
+    assert res["address"] == "127.0.0.1:9" and asked[0] == "127.0.0.1:1"
+    assert "export RAY_ADDRESS=127.0.0.1:9" in (tmp_path / "ray" / "env.sh").read_text()
+
+
 def test_barrier_times_out_naming_the_missing_node(tmp_path, sleeper):
     _plan(tmp_path, timeout_s=1.5)
     _head(tmp_path)

@@ -122,7 +122,9 @@ class Barrier:
             if failure:
                 self._diagnose(head, last, failure)
                 raise BootstrapError(failure)
-            head = head or read_json(ray_dir(self.job_dir) / "head.json")
+            # read on every round: a head whose first ray start failed after publishing (its raylet
+            # missed Ray's registration bound) publishes the address of its next attempt
+            head = read_json(ray_dir(self.job_dir) / "head.json") or head
             if head:
                 last = self.view(head["address"], min(2.0, max(deadline - time.monotonic(), 0.2)))
                 if not last.error and set(self.expected_nodes) <= set(last.alive_nodes) \
