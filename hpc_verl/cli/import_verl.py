@@ -7,15 +7,17 @@ import sys
 from typing import Any
 
 
+HELP = "turn a verl launch script (run_*.sh) into a job config, without running it"
+DESCRIPTION = ("Read a verl launch script and write the job config its 'python3 -m verl.trainer.main_ppo' "
+               "command asks for: the variables the script sets (and the environment) are followed with a "
+               "shell parser; the script is never executed. A value that cannot be known without running "
+               "something (a command substitution, an unset variable) is named in one line each and left "
+               "out. Set a variable in the environment to choose it, e.g. DEVICE=gpu hpc-verl import-verl "
+               "run.sh.")
+
+
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "import-verl", help="turn a verl launch script (run_*.sh) into a job config, without running it",
-        description="Read a verl launch script and write the job config its 'python3 -m verl.trainer.main_ppo' "
-                    "command asks for: the variables the script sets (and the environment) are followed with a "
-                    "shell parser; the script is never executed. A value that cannot be known without running "
-                    "something (a command substitution, an unset variable) is named in one line each and left "
-                    "out. Set a variable in the environment to choose it, e.g. DEVICE=gpu hpc-verl import-verl "
-                    "run.sh.")
+    parser = subparsers.add_parser("import-verl", help=HELP, description=DESCRIPTION)
     parser.add_argument("script", metavar="RUN.sh", help="the verl launch script")
     parser.add_argument("-o", "--output", metavar="JOB.yaml", help="write the job config here (atomically); "
                         "default: stdout")
