@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from test_slurm_e2e import assert_clean, batch_log, submit
+from hpc_verl.testbed.profiles import CPU_READINESS_S
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -76,7 +77,10 @@ def verl_bed(slurm_testbed, tmp_path_factory):
         (profiles / f"{name}.yaml").write_text(yaml.safe_dump(
             {"extends": "testbed-local", "description": f"test bed, {nodes} CPU node(s) x {ranks} rank(s) (verl)",
              "accelerator": "none", "cpu": {"ranks_per_node": ranks},
-             "slurm": {"nodes": nodes, "gpus_per_node": 0, "cpus_per_task": 2}}))
+             "slurm": {"nodes": nodes, "gpus_per_node": 0, "cpus_per_task": 2},
+             # the CPU twins' bound: Ray's start on a loaded 2-core bed (a run next to another bed's verl
+             # job missed the 90 s default with "0/1 nodes")
+             "ray": {"readiness_timeout_s": CPU_READINESS_S}}))
     env = {"HPC_VERL_PROFILE_PATH": f"{profiles}:{bed.env['HPC_VERL_PROFILE_PATH']}", "HPCV_EXPIRY_POLL_S": "1"}
     return bed, tmp, model, env
 
