@@ -55,6 +55,9 @@ def test_verl_saves_before_the_limit_requeues_and_resumes(slurm_testbed, tmp_pat
     job = tmp_path / "verl.yaml"
     job.write_text(yaml.safe_dump({"name": "verlx", "trainer": {"module": "verl.trainer.main_ppo", "overrides": {
         "actor_rollout_ref.rollout.name": "hf", "trainer.use_v1": False, "trainer.save_freq": 1000,
+        # verl's own start-up check (run before submission) wants the actor's micro-batch sizes
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 1,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 1,
         "trainer.total_training_steps": 14,
         # a wider window than the derived 60 s (the signal lead), so that the save comes right after the
         # TimeLimit change below instead of a minute later
