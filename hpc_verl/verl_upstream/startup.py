@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from hpc_verl.util.fs import atomic_write_text
+
 TIMEOUT_S = 120
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
 _MODEL_MISSING = ("couldn't connect to", "is not a local folder", "does not appear to have", "Repo id",
@@ -158,7 +160,8 @@ def run_checks(config_dir: str, config_name: str, overrides: Sequence[str], cfg:
         return StartupResult(skipped=f"verl's own check could not run here ({tail})")
     answer = json.loads(lines[-1])
     if cache is not None and not answer.get("skipped"):  # a full verdict only: a missing model may appear later
-        _write_atomic(cache, json.dumps({"problem": answer.get("problem")}))
+        with contextlib.suppress(OSError):  # a cache only
+            atomic_write_text(cache, json.dumps({"problem": answer.get("problem")}))
     return StartupResult(answer.get("problem"), answer.get("skipped"))
 
 
@@ -173,16 +176,6 @@ def _cache_file(config_dir: str, request: str) -> Path | None:
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpc_verl" / "verl-check"
     digest = hashlib.sha256(f"{verl_dir}|{stamp}|{request}".encode()).hexdigest()[:32]
     return root / f"{digest}.json"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a cache only
 
 
 def _main() -> None:
