@@ -7,11 +7,11 @@ bash scripts/setup.sh
 VENV="${HPC_VERL_VENV:-.venv}"
 # Two pytest-xdist workers: much of the suite waits on services (SLURM, Ray, podman), so a
 # second worker roughly halves the wall time on two cores. Tests on the SLURM test bed stay
-# on one worker (tests/conftest.py). HPC_VERL_TEST_WORKERS=0 runs in this one process.
+# on one worker and start first (tests/conftest.py). HPC_VERL_TEST_WORKERS=0 runs in this one process.
 WORKERS="${HPC_VERL_TEST_WORKERS:-2}"
 XDIST=()
 if [[ "$WORKERS" != 0 ]]; then
-  XDIST=(-n "$WORKERS" --dist loadgroup)
+  XDIST=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder)
 fi
 set +e
 "$VENV/bin/python" -m pytest "${XDIST[@]}" "$@"

@@ -31,14 +31,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_bed import docker_testbed, slurm_testbed  # noqa: E402,F401  (session fixtures for -m slurm tests)
 
 
+@pytest.hookimpl(tryfirst=True)      # before xdist's own hook, which turns the marks into node-id suffixes
 def pytest_collection_modifyitems(config, items):
     """Groups for pytest-xdist's ``--dist loadgroup`` (scripts/test.sh runs two workers). Every
     test on the SLURM test bed goes to one worker: the bed is a session fixture, and one bed per
     worker would start two slurmctlds and build the podman image twice. Every other test stays
-    with its file, so a module fixture (a Ray cluster, a trained run) is built once."""
+    with its file, so a module fixture (a Ray cluster, a trained run) is built once.
+
+    Order (scripts/test.sh keeps it with --no-loadscope-reorder): the bed's group first, as it is
+    the longest and runs on one worker while the other takes the rest; then files with slow tests,
+    then the others, so that the short ones fill the end on both workers."""
+    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    rank = {}
     for item in items:
         group = "slurm_testbed" if "slurm_testbed" in item.fixturenames else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+        rank[item.nodeid] = 0 if group == "slurm_testbed" else 1 if group in slow_files else 2
+    items.sort(key=lambda item: rank[item.nodeid])
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """The groups above exist only as '@group' suffixes of the ids a worker collected. Without them
+    xdist spreads the bed's tests over both workers, each starting a test bed of its own (pytest 9.2
+    keeps node ids where pytest-xdist 3.8 cannot add the suffix): stop before any test runs."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in i for i in ids):
+        pytest.exit("tests: pytest-xdist did not apply the test groups (its loadgroup needs pytest < 9.2): "
+                    "pip install 'pytest<9.2'", returncode=3)
 
 
 @pytest.fixture(autouse=True)
