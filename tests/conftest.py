@@ -41,13 +41,13 @@ def pytest_collection_modifyitems(config, items):
     Order (scripts/test.sh keeps it with --no-loadscope-reorder): the bed's group first, as it is
     the longest and runs on one worker while the other takes the rest; then files with slow tests,
     then the others, so that the short ones fill the end on both workers."""
-    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    rank = {}
+    def group(item) -> str:
+        return "slurm_testbed" if "slurm_testbed" in item.fixturenames else item.nodeid.split("::")[0]
+
+    slow_groups = {group(item) for item in items if item.get_closest_marker("slow")}
     for item in items:
-        group = "slurm_testbed" if "slurm_testbed" in item.fixturenames else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-        rank[item.nodeid] = 0 if group == "slurm_testbed" else 1 if group in slow_files else 2
-    items.sort(key=lambda item: rank[item.nodeid])
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: (group(item) != "slurm_testbed", group(item) not in slow_groups))
 
 
 def pytest_xdist_node_collection_finished(node, ids):
