@@ -57,9 +57,9 @@ def _step_record(run_dir: str, step: int) -> dict:
     return next(rec for rec in steps_from_log(batch_log(run_dir)) if rec["step"] == step)
 
 
-def _timeline(run_dir: str) -> None:
-    """The launcher's stage and watchdog lines, printed: where the test's minutes went (pytest -rP)."""
-    print("\n".join(ln for ln in batch_log(run_dir).splitlines()
+def _timeline(log: str) -> None:
+    """The launcher's stage and watchdog lines of a batch log, printed: where the test's minutes went (pytest -rP)."""
+    print("\n".join(ln for ln in log.splitlines()
                     if re.search(r"\[hpc-verl (watchdog )?\d\d:\d\d:\d\d\] (stage |step |watching |ray-up)", ln)))
 
 
@@ -152,7 +152,7 @@ def test_real_verl_on_two_nodes_two_ranks_each_tp2_requeues_across_nodes_and_res
         batch_log(run_dir)[-6000:]
 
     log = batch_log(run_dir)
-    _timeline(run_dir)
+    _timeline(log)
     resumed = int(re.search(r"verl stopped; the requeued run resumes from global_step_(\d+)", log).group(1))
     print(f"saved before the limit at step {esi_step}, resumed from {resumed}, {STEPS} steps")
     assert "asks to be requeued (exit 99)" in log and "requeueing job" in log
@@ -221,8 +221,8 @@ def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topolog
     # the acceptance bound: FAILED within 4 minutes of the stop (60 s without a step, then the stacks)
     assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=240) == "FAILED"
     print(f"stopped rank -> FAILED in {time.monotonic() - stopped:.0f} s")
-    _timeline(run_dir)
     log = batch_log(run_dir)
+    _timeline(log)
     assert "from now on no step for 60 s ends the job (watchdog.stall_timeout_s)" in log
     status = _status(bed, job_id, env)
     print(status)
@@ -243,7 +243,7 @@ def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topolog
     assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=600) == "COMPLETED", \
         batch_log(run_dir)[-4000:]
     one_node = _step_record(run_dir, 1)
-    _timeline(run_dir)
+    _timeline(batch_log(run_dir))
     print("first step, 2 nodes x 1 rank vs 1 node x 2 ranks:",
           {k: (two_nodes[k], one_node[k]) for k in (*SAME_MATHS_KEYS, "actor/grad_norm")})
     for key in SAME_MATHS_KEYS:
@@ -269,7 +269,7 @@ def test_a_real_hang_in_verls_first_weight_sync_is_caught_and_located(verl_bed):
     assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=600) == "FAILED", \
         batch_log(run_dir)[-4000:]
     status = _status(bed, job_id, env)
-    _timeline(run_dir)
+    _timeline(batch_log(run_dir))
     print(status)
     assert "stalled: no step for" in status and "after the train stage started" in status, status
     # where the ranks wait: verl's weight transfer (the ZMQ send/recv of the first sync)
