@@ -10,6 +10,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# No test reaches the Hugging Face hub: models are built from a config, data is written by the tests.
+# Set before any test module imports huggingface_hub, which reads the variable once, at import: a
+# model named by its hub id then fails at once instead of after the hub client's retries (23 s a model).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
 
 def run_cli(*args: str, cwd: str | os.PathLike[str] | None = None, env: dict | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
