@@ -38,7 +38,10 @@ class RayHead:
     def stop(self) -> None:
         """End exactly this head's processes, then remove its directory."""
         sid = self.proc.pid  # started with start_new_session: pid == sid == pgid
-        if self.proc.poll() is None:
+        if self.proc.poll() is not None:  # `ray start --block` ends when one of its daemons died: say which
+            print(f"the Ray head had already exited ({self.proc.returncode}); its log ends:\n"
+                  + (self.root / "start.log").read_text(errors="replace")[-3000:])
+        else:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=20)
@@ -145,19 +148,21 @@ def _start_once(token_auth: bool, num_cpus: int, timeout_s: float, num_gpus: int
 
 
 def _wait_ready(head: RayHead, timeout_s: float) -> None:
-    """Ready when the Jobs API answers /api/version (401 counts: it is up, it wants a token)."""
+    """Ready when the dashboard lists the head's node ALIVE: its raylet registered, past the bound in which
+    a raylet whose agents did not start ends (and with it ``ray start --block``, the dashboard included)."""
     import requests
 
+    headers = {"Authorization": f"Bearer {head.token_file.read_text().strip()}"}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if head.proc.poll() is not None:
             raise RuntimeError("ray start exited early:\n"
                                + (head.root / "start.log").read_text(errors="replace")[-3000:])
         try:
-            r = requests.get(head.address + "/api/version", timeout=2)
-            if r.status_code in (200, 401):
+            r = requests.get(head.address + "/api/v0/nodes", params={"detail": "1"}, headers=headers, timeout=5)
+            if r.ok and any(n.get("state") == "ALIVE" for n in r.json()["data"]["result"]["result"]):
                 return
-        except requests.RequestException:
+        except (requests.RequestException, ValueError, KeyError, TypeError):
             pass
         time.sleep(0.5)
     raise RuntimeError(f"Ray head did not come up in {timeout_s}s:\n"

@@ -4,7 +4,8 @@ reward >= 0.8 for every seed in 1..5, not only for the seed the example ships wi
 own gate (``scripts/demo.sh``: ``hpc-verl plot --require-final 0.8``) is the same figure.
 
 Each seed is one ``hpc-verl train`` with the job's overrides (what the launcher adds for the
-local profile: one CPU rank, the data and model paths, the run directory), about 30 s here.
+local profile: one CPU rank, the data and model paths, the run directory), about 30 s here; two
+run at a time (one rank each: a run alone leaves the second core to the rest of the suite).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.learning]
 REPO = Path(__file__).resolve().parents[1]
 GATE = 0.8
 WINDOW = 10
+SEEDS = range(1, 6)
+#: seeds trained at once (each run is one CPU rank)
+AT_ONCE = 2
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +50,18 @@ def test_the_demo_recipe_learns_on_every_seed(demo_inputs, tmp_path):
              "trainer.n_gpus_per_node=1", "trainer.save_freq=-1", "hpc_verl.progress=false"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("RAY_ADDRESS", None)
+
+    def train(seed: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hpc_verl", "train", "--no-progress", *base,
+                               f"trainer.seed={seed}", f"hpc_verl.run_dir={tmp_path / f'seed{seed}'}"], env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
+        results = dict(zip(SEEDS, pool.map(train, SEEDS)))
     finals = {}
-    for seed in range(1, 6):
+    for seed, res in results.items():
         run = tmp_path / f"seed{seed}"
-        res = subprocess.run([sys.executable, "-m", "hpc_verl", "train", "--no-progress", *base,
-                              f"trainer.seed={seed}", f"hpc_verl.run_dir={run}"], env=env, capture_output=True,
-                             text=True, timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.returncode == 0, f"seed {seed}: {res.stderr[-3000:]}"
         rewards = [json.loads(ln)["critic/score/mean"] for ln in (run / "metrics.jsonl").read_text().splitlines()
                    if ln.strip()]
         assert len(rewards) == overrides["trainer.total_training_steps"]
