@@ -37,7 +37,7 @@ from hpc_verl.bootstrap.raydir import ray_dir, ray_env, read_json, read_plan, wr
 from hpc_verl.bootstrap.timing import (RAYLET_REAP_S, REACH_EVERY_S, REACH_GRACE_S, REACH_PROBE_S,
                                       SUPERVISOR_POLL_S)
 from hpc_verl.util.cpus import vllm_cpu_bind
-from hpc_verl.util.rayready import RAYLET_ENV, worker_env
+from hpc_verl.util.rayready import RAYLET_ENV, SLOW_REGISTRATION, worker_env
 from hpc_verl.errors import FAILURE_FILE_NAME, BootstrapError, record_failure
 from hpc_verl.util.fs import atomic_write_json
 
@@ -62,10 +62,6 @@ class _PortTaken(Exception):
 class _SlowRegistration(_PortTaken):
     """Ray's own fixed bound (30 s) for the raylet to register with the GCS passed: a loaded node or a
     cold image, not a broken one; the next attempt (with warm caches) runs within the readiness bound."""
-
-
-#: what ``ray start`` prints when its raylet did not register within Ray's fixed bound
-SLOW_REGISTRATION = "The current node timed out during startup"
 
 
 def _squat(port: int) -> socket.socket:

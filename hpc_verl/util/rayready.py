@@ -28,6 +28,9 @@ READY_TIMEOUT_ENV = "HPC_VERL_RAY_READY_TIMEOUT_S"
 #: set (to 1) in the job's env.sh / ready.json: the job's raylets carry ``worker_env()`` themselves,
 #: so a driver needs no runtime_env for it (one per-worker runtime-env set-up fewer)
 WORKER_ENV_MARK = "HPC_VERL_RAY_WORKER_ENV"
+#: what a Ray head ends with when its raylet did not register with the GCS within Ray's fixed
+#: bound (30 s, ray/_private/node.py): a loaded node or a cold image, worth one more start
+SLOW_REGISTRATION = "The current node timed out during startup"
 
 
 def worker_env() -> dict[str, str]:

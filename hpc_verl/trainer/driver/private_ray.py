@@ -17,6 +17,9 @@ has:
 
 The head also polls its parent pid (a pipe end inherited by a forked child of the driver
 would hide the EOF). Linux only (``/proc``, ``PR_SET_CHILD_SUBREAPER``).
+
+Fault injection for tests (real processes, fake fault): ``HPC_VERL_FAULT=slow-registration`` makes
+the first head process end as one whose raylet missed Ray's registration bound.
 """
 from __future__ import annotations
 
@@ -30,11 +33,13 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_verl.errors import BootstrapError
 from hpc_verl.util import procs
+from hpc_verl.util.rayready import SLOW_REGISTRATION
 from hpc_verl.util.fs import atomic_write_text
 
 MODULE = "hpc_verl.trainer.driver.private_ray"
@@ -44,6 +49,11 @@ TOKEN_FILE = "token"
 STOP = b"q"
 PARENT_POLL_S = 0.2
 STOP_GRACE_S = 5.0
+
+
+class SlowRegistration(BootstrapError):
+    """The head's raylet missed Ray's fixed 30 s bound to register with its GCS: a loaded machine
+    (seen at load ~18 on 2 cores), not a broken one; worth one more start."""
 
 
 def auth_env(temp_dir: str) -> dict[str, str]:
@@ -76,14 +86,14 @@ class PrivateRay:
             self.proc.wait()
 
 
-def launch(temp_dir: str, num_cpus: int, logs_to: str | None) -> PrivateRay:
+def launch(temp_dir: str, num_cpus: int, logs_to: str | None, attempt: int = 1) -> PrivateRay:
     """Start the head process (``wait_ready`` waits for its GCS address); sets the token variables
     in this process's environment first, for ``ray.init(address=...)`` (import Ray after this)."""
     atomic_write_text(Path(temp_dir) / TOKEN_FILE, secrets.token_hex(32), mode=0o600)
     os.environ.update(auth_env(temp_dir))
     read, write = os.pipe()
     cmd = [sys.executable, "-m", MODULE, "--fd", str(read), "--parent", str(os.getpid()),
-           "--temp-dir", temp_dir, "--num-cpus", str(num_cpus)]
+           "--temp-dir", temp_dir, "--num-cpus", str(num_cpus), "--attempt", str(attempt)]
     if logs_to:
         cmd += ["--logs-to", logs_to]
     try:
@@ -100,7 +110,8 @@ def launch(temp_dir: str, num_cpus: int, logs_to: str | None) -> PrivateRay:
 
 def wait_ready(head: PrivateRay, timeout_s: float, abort: threading.Event | None = None) -> bool:
     """Poll (bounded by ``timeout_s``) for the head's GCS address; False when ``abort`` was set first
-    (the head is then stopped). Raises BootstrapError (one line) when the head ended or timed out."""
+    (the head is then stopped). Raises BootstrapError (one line) when the head ended or timed out,
+    SlowRegistration when it ended because its raylet missed Ray's registration bound."""
     address_file = Path(head.temp_dir) / ADDRESS_FILE
     deadline = time.monotonic() + timeout_s
     while True:
@@ -116,11 +127,20 @@ def wait_ready(head: PrivateRay, timeout_s: float, abort: threading.Event | None
             head.stop(grace_s=1.0)
             why = (f"not up within {timeout_s:g}s" if rc is None else "its head process ended ("
                    + (f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}") + ")")
-            tail = _tail(Path(head.temp_dir) / HEAD_LOG)
-            raise BootstrapError(f"the trainer's private Ray did not start: {why}"
+            head_log = Path(head.temp_dir) / HEAD_LOG
+            tail = _tail(head_log)
+            slow = rc is not None and SLOW_REGISTRATION in _text(head_log)
+            raise (SlowRegistration if slow else BootstrapError)(f"the trainer's private Ray did not start: {why}"
                                  + (f"; its last words: {tail}" if tail else "")
                                  + f" (see {Path(head.temp_dir) / HEAD_LOG} and the Ray logs there)")
         time.sleep(0.05)
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _tail(path: Path) -> str:
@@ -166,7 +186,11 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--temp-dir", required=True)
     p.add_argument("--num-cpus", type=int, required=True)
     p.add_argument("--logs-to")
+    p.add_argument("--attempt", type=int, default=1)
     a = p.parse_args(argv)
+    if os.environ.get("HPC_VERL_FAULT") == "slow-registration" and a.attempt == 1:
+        print(f"injected fault: Exception: {SLOW_REGISTRATION}.", file=sys.stderr)
+        return 1
     procs.become_subreaper()
     sid = os.getsid(0)
     stopped = threading.Event()
@@ -187,7 +211,14 @@ def _main(argv: list[str]) -> int:
     import ray._private.parameter
 
     params = ray._private.parameter.RayParams(num_cpus=a.num_cpus, include_dashboard=False, temp_dir=a.temp_dir)
-    node = ray._private.node.Node(ray_params=params, head=True, shutdown_at_exit=False, spawn_reaper=False)
+    try:
+        node = ray._private.node.Node(ray_params=params, head=True, shutdown_at_exit=False, spawn_reaper=False)
+    except Exception:   # noqa: BLE001 - the driver reads the last words from our log: stop what started
+        traceback.print_exc()
+        sys.stderr.flush()
+        procs.reap_tree(os.getpid(), wait_s=0.0, grace_s=STOP_GRACE_S)
+        procs.kill_everything(sid)
+        return 1
     atomic_write_text(Path(a.temp_dir) / ADDRESS_FILE, str(node.gcs_address))
     stopped.wait()
     procs.reap_tree(os.getpid(), wait_s=0.0, grace_s=STOP_GRACE_S)

@@ -12,6 +12,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,6 +25,8 @@ from hpc_verl.trainer.driver import private_ray
 from hpc_verl.util import procs, rayready
 
 log = logging.getLogger("hpc_verl.trainer")
+#: starts of a private Ray whose raylet missed Ray's registration bound (private_ray.SlowRegistration)
+PRIVATE_RAY_TRIES = 2
 
 
 def _ray_cpus_needed(cfg: Mapping) -> int:
@@ -157,18 +160,34 @@ class DataflowRunner:
         # short and unique: Ray's socket paths under it must stay within AF_UNIX's 107 bytes
         root = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
         _remove_stale_private_rays(root)
-        self._ray_temp = tempfile.mkdtemp(prefix=f"{PRIVATE_RAY_PREFIX}{os.getpid()}-", dir=root)
         self._run_dir = Path(os.path.expanduser(hv["run_dir"]))
         self._started_ray = True
         _quiet_late_log_subscriber()
-        imported = "ray" in sys.modules
-        head = private_ray.launch(self._ray_temp, int(cpus), str(self._run_dir / "logs" / "ray"))
-        import ray  # noqa: F401 - while the head starts (after the token variables are set: Ray reads them now)
-        if imported:
-            _refresh_ray_auth()
-        self._imports_done()
-        if private_ray.wait_ready(head, float(hv["start_timeout_s"]), abort=self._abort):
-            self._head = head
+        deadline = time.monotonic() + float(hv["start_timeout_s"])
+        for attempt in range(1, PRIVATE_RAY_TRIES + 1):
+            self._ray_temp = tempfile.mkdtemp(prefix=f"{PRIVATE_RAY_PREFIX}{os.getpid()}-", dir=root)
+            imported = "ray" in sys.modules
+            head = private_ray.launch(self._ray_temp, int(cpus), str(self._run_dir / "logs" / "ray"), attempt)
+            import ray  # noqa: F401 - while the head starts (after the token variables are set: Ray reads them now)
+            if imported:   # (a retry's token is another file)
+                _refresh_ray_auth()
+            self._imports_done()
+            try:
+                if private_ray.wait_ready(head, max(deadline - time.monotonic(), 1.0), abort=self._abort):
+                    self._head = head
+                return
+            except private_ray.SlowRegistration:
+                if attempt == PRIVATE_RAY_TRIES:
+                    raise
+                kept: Path | str = self._run_dir / "logs" / f"private-ray-head-{attempt}.log"
+                try:
+                    kept.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(Path(self._ray_temp) / private_ray.HEAD_LOG, kept)
+                except OSError as err:
+                    kept = f"not kept: {err}"
+                log.warning("the private Ray's raylet missed Ray's fixed registration bound (a loaded machine); "
+                            "starting it once more (the first head's log: %s)", kept)
+                shutil.rmtree(self._ray_temp, ignore_errors=True)
 
     def start(self, cfg: Mapping, total_steps: int) -> None:
         self._await_connection()
