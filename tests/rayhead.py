@@ -35,12 +35,14 @@ class RayHead:
     proc: subprocess.Popen
     tag: str
 
-    def stop(self) -> None:
-        """End exactly this head's processes, then remove its directory."""
+    def stop(self, report: bool = True) -> None:
+        """End exactly this head's processes, then remove its directory (``report``: print the log of a
+        head that had already exited; off where the caller's error carries it)."""
         sid = self.proc.pid  # started with start_new_session: pid == sid == pgid
         if self.proc.poll() is not None:  # `ray start --block` ends when one of its daemons died: say which
-            print(f"the Ray head had already exited ({self.proc.returncode}); its log ends:\n"
-                  + (self.root / "start.log").read_text(errors="replace")[-3000:])
+            if report:
+                print(f"the Ray head had already exited ({self.proc.returncode}); its log ends:\n"
+                      + (self.root / "start.log").read_text(errors="replace")[-3000:])
         else:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -142,7 +144,7 @@ def _start_once(token_auth: bool, num_cpus: int, timeout_s: float, num_gpus: int
     try:
         _wait_ready(head, timeout_s)
     except BaseException:
-        head.stop()
+        head.stop(report=False)   # (the error carries the log)
         raise
     return head
 
