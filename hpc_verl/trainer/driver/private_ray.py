@@ -128,11 +128,12 @@ def wait_ready(head: PrivateRay, timeout_s: float, abort: threading.Event | None
             why = (f"not up within {timeout_s:g}s" if rc is None else "its head process ended ("
                    + (f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}") + ")")
             head_log = Path(head.temp_dir) / HEAD_LOG
-            tail = _tail(head_log)
-            slow = rc is not None and SLOW_REGISTRATION in _text(head_log)
+            text = _text(head_log)
+            tail = _last_line(text)
+            slow = rc is not None and SLOW_REGISTRATION in text
             raise (SlowRegistration if slow else BootstrapError)(f"the trainer's private Ray did not start: {why}"
                                  + (f"; its last words: {tail}" if tail else "")
-                                 + f" (see {Path(head.temp_dir) / HEAD_LOG} and the Ray logs there)")
+                                 + f" (see {head_log} and the Ray logs there)")
         time.sleep(0.05)
 
 
@@ -143,11 +144,8 @@ def _text(path: Path) -> str:
         return ""
 
 
-def _tail(path: Path) -> str:
-    try:
-        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return lines[-1][:300] if lines else ""
 
 
@@ -213,17 +211,16 @@ def _main(argv: list[str]) -> int:
     params = ray._private.parameter.RayParams(num_cpus=a.num_cpus, include_dashboard=False, temp_dir=a.temp_dir)
     try:
         node = ray._private.node.Node(ray_params=params, head=True, shutdown_at_exit=False, spawn_reaper=False)
-    except Exception:   # noqa: BLE001 - the driver reads the last words from our log: stop what started
+    except Exception:   # noqa: BLE001 - the driver reads the last words from our log; what started is stopped below
         traceback.print_exc()
-        sys.stderr.flush()
-        procs.reap_tree(os.getpid(), wait_s=0.0, grace_s=STOP_GRACE_S)
-        procs.kill_everything(sid)
-        return 1
-    atomic_write_text(Path(a.temp_dir) / ADDRESS_FILE, str(node.gcs_address))
-    stopped.wait()
+        rc = 1
+    else:
+        atomic_write_text(Path(a.temp_dir) / ADDRESS_FILE, str(node.gcs_address))
+        stopped.wait()
+        rc = 0
     procs.reap_tree(os.getpid(), wait_s=0.0, grace_s=STOP_GRACE_S)
     procs.kill_everything(sid)
-    return 0
+    return rc
 
 
 if __name__ == "__main__":
