@@ -6,6 +6,10 @@ row (gradient accumulation), and responses of different lengths (the loss is nor
 mini-batch's global token count). A grouped batch (GRPO: each prompt twice, in order, micro-batches
 of two) has both sides run each group's prompt once (prompt sharing, under DDP as under FSDP2).
 Four ranks as two data-parallel replicas of two Ulysses ranks each (dp=2 x sp=2) equal W=1 too.
+
+One worker group per world size serves every case (its ranks and their torch.distributed group are
+started once): each case builds fresh actor and critic workers in them from the case's config, seeded
+as in a run, so no case sees another's weights or optimiser state.
 """
 from __future__ import annotations
 
@@ -27,10 +31,12 @@ TOL = 1e-5
 class Roles:
     """An actor and a critic worker in one rank of a worker group (the hybrid layout)."""
 
-    def __init__(self, cfg: dict) -> None:
+    def configure(self, cfg: dict) -> None:
+        """Fresh workers for one case (the rank and its process group stay)."""
         from hpc_verl.trainer.roles.actor import ActorWorker
         from hpc_verl.trainer.roles.critic import CriticWorker
         self.cfg = cfg
+        self.actor = self.critic = None     # the previous case's models and optimisers go first
         self.actor = ActorWorker(cfg, total_steps=4)
         self.critic = CriticWorker(cfg, total_steps=4)
 
@@ -87,9 +93,8 @@ def _batch(vocab: int, grouped: bool = False) -> dict:
             "returns": torch.randn(n, rlen, generator=g) * resp_mask}
 
 
-def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1,
+def _run(groups, model_path: str, world: int, strategy: str, batch: dict, sp: int = 1,
          grouped: bool = False, own_rows: bool = False) -> tuple[dict, dict]:
-    from hpc_verl.dataflow import DataflowGraph, HybridScheduler, Node, WorkerGroup
     from hpc_verl.trainer.config.schema import load_config
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model_path}", "trainer.device=cpu",
@@ -105,16 +110,11 @@ def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1,
                              "algorithm.adv_estimator=gae",
                              f"actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size={sp}",
                              f"critic.fsdp.ulysses_sequence_parallel_size={sp}"]).to_dict()
-    graph = DataflowGraph(f"dp-{strategy}-{world}-sp{sp}")
-    graph.add(Node("roles", Roles, group=WorkerGroup("g", world, {"CPU": 1}, timeout_s=60), init_args=(cfg,)))
-    sched = HybridScheduler(graph, backpressure=False)
-    try:
-        sched.start()
-        out = sched.call_all("roles", "update", batch, own_rows=own_rows)
-        weights = sched.call_all("roles", "weights")
-        status = sched.get_status()
-    finally:
-        sched.shutdown()
+    sched = groups(world)
+    sched.call_all("roles", "configure", cfg)
+    out = sched.call_all("roles", "update", batch, own_rows=own_rows)
+    weights = sched.call_all("roles", "weights")
+    status = sched.get_status()
     assert [w["rank"] for w in status["nodes"]["roles"]["workers"]] == list(range(world))
     assert status["nodes"]["roles"]["dist_backend"] == "gloo"
     # every rank gathered the same full weights
@@ -127,11 +127,32 @@ def _run(model_path: str, world: int, strategy: str, batch: dict, sp: int = 1,
 @pytest.fixture(scope="module")
 def cluster():
     from hpc_verl.testbed.simcluster import start_sim_cluster, stop_sim_cluster
-    c = start_sim_cluster([(5, 0)])   # (logical CPUs: up to four ranks of one CPU each)
+    c = start_sim_cluster([(7, 0)])   # (logical CPUs: groups of one, two and four ranks of one CPU each)
     try:
         yield c
     finally:
         stop_sim_cluster(c)
+
+
+@pytest.fixture(scope="module")
+def groups(cluster):
+    """``groups(W)``: the module's worker group of W ranks (a real gloo group), started on first use."""
+    from hpc_verl.dataflow import DataflowGraph, HybridScheduler, Node, WorkerGroup
+
+    started: dict[int, HybridScheduler] = {}
+
+    def get(world: int) -> HybridScheduler:
+        if world not in started:
+            graph = DataflowGraph(f"dp-{world}")
+            graph.add(Node("roles", Roles, group=WorkerGroup("g", world, {"CPU": 1}, timeout_s=60)))
+            started[world] = HybridScheduler(graph, backpressure=False).start()
+        return started[world]
+
+    try:
+        yield get
+    finally:
+        for sched in started.values():
+            sched.shutdown()
 
 
 @pytest.mark.parametrize("strategy,sp,grouped,world,own_rows", [
@@ -141,7 +162,7 @@ def cluster():
     ("fsdp2", 1, True, 2, True)],
     ids=["ddp", "fsdp2", "ddp-ulysses2", "fsdp2-ulysses2", "ddp-shared-prompts", "fsdp2-shared-prompts",
          "ddp-dp2xsp2", "fsdp2-dp2xsp2", "ddp-own-rows", "fsdp2-shared-prompts-own-rows"])
-def test_two_ranks_update_like_one(cluster, tiny_model, strategy, sp, grouped, world, own_rows):
+def test_two_ranks_update_like_one(groups, tiny_model, strategy, sp, grouped, world, own_rows):
     """W=2 as two data-parallel ranks, or (ulysses2) as one data-parallel rank whose two ranks
     split every sequence (Ulysses SP=2, all-to-all attention), or (dp2xsp2) four ranks: two
     data-parallel replicas of two sequence-parallel ranks each - against W=1. With own-rows each
@@ -150,8 +171,8 @@ def test_two_ranks_update_like_one(cluster, tiny_model, strategy, sp, grouped, w
     import json
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     batch = _batch(vocab, grouped)
-    m1, w1 = _run(str(tiny_model), 1, strategy, batch, grouped=grouped)
-    m2, w2 = _run(str(tiny_model), world, strategy, batch, sp=sp, grouped=grouped, own_rows=own_rows)
+    m1, w1 = _run(groups, str(tiny_model), 1, strategy, batch, grouped=grouped)
+    m2, w2 = _run(groups, str(tiny_model), world, strategy, batch, sp=sp, grouped=grouped, own_rows=own_rows)
     assert m2["actor/ulysses_sp"] == m2["critic/ulysses_sp"] == sp
     assert m1["share_prompts"] is True and m2["share_prompts"] is (sp == 1)   # (Ulysses splits sequences)
     phases = [f"timing_s/update_actor/{p}" for p in ("forward", "backward", "allreduce", "optimizer")]
