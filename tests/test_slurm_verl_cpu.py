@@ -5,7 +5,8 @@
   ``trainer.resume_mode=auto`` across the nodes, a world-size-4 checkpoint, ``hpc-verl logs --metrics``;
 - the stall watchdog: one training rank SIGSTOPped after step 2 (``watchdog.stall_timeout_s=60``) ends the job
   FAILED, stacks saved, status naming the stall and where ranks wait; that run's first step equals the same
-  world size on one node (topology does not change the maths);
+  world size on one node (topology does not change the maths): a local job of two ranks on this host, run
+  while the watchdog waits out the stall (both SLURM nodes are taken then);
 - a real hang: TP=2 across the two nodes with one rank each hangs in verl's first weight sync (the test bed's
   nodes share /tmp, and verl names its ZMQ socket after the replica and the *local* rank only); the watchdog
   ends it within its start-up allowance and names where the ranks wait.
@@ -19,6 +20,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -84,7 +87,7 @@ def verl_bed(slurm_testbed, tmp_path_factory):
     model = make_tiny_model(tmp / "tiny")
     profiles = tmp / "profiles"
     profiles.mkdir()
-    for name, nodes, ranks in (("testbed-cpu", 2, 2), ("testbed-cpu-1rank", 2, 1), ("testbed-cpu-1node", 1, 2)):
+    for name, nodes, ranks in (("testbed-cpu", 2, 2), ("testbed-cpu-1rank", 2, 1)):
         (profiles / f"{name}.yaml").write_text(yaml.safe_dump(
             {"extends": "testbed-local", "description": f"test bed, {nodes} CPU node(s) x {ranks} rank(s) (verl)",
              "accelerator": "none", "cpu": {"ranks_per_node": ranks},
@@ -92,6 +95,10 @@ def verl_bed(slurm_testbed, tmp_path_factory):
              # the CPU twins' bound: Ray's start on a loaded 2-core bed (a run next to another bed's verl
              # job missed the 90 s default with "0/1 nodes")
              "ray": {"readiness_timeout_s": CPU_READINESS_S}}))
+    # one node of two ranks without SLURM (this host): it runs while both SLURM nodes are taken
+    (profiles / "here-cpu-2ranks.yaml").write_text(yaml.safe_dump(
+        {"extends": "local", "description": "this host, 1 CPU node x 2 ranks (verl)", "cpu": {"ranks_per_node": 2},
+         "ray": {"readiness_timeout_s": CPU_READINESS_S}}))
     env = {"HPC_VERL_PROFILE_PATH": f"{profiles}:{bed.env['HPC_VERL_PROFILE_PATH']}", "HPCV_EXPIRY_POLL_S": "1"}
     return bed, tmp, model, env
 
@@ -209,7 +216,7 @@ def _status(bed, job_id: int, env: dict) -> str:
 
 
 def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topology_keeps_the_maths(verl_bed):
-    bed, _tmp, _model, env = verl_bed
+    bed, tmp, _model, env = verl_bed
     # two nodes, one rank each: world size 2; a rank is stopped after step 2
     job = _job(verl_bed, "verlstall", **SAME_MATHS, **{"trainer.total_training_steps": 40})
     job_id, run_dir = submit(bed, "testbed-cpu-1rank", job, "watchdog.stall_timeout_s=60", env=env)
@@ -218,9 +225,22 @@ def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topolog
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGSTOP)
     stopped = time.monotonic()
-    # the acceptance bound: FAILED within 4 minutes of the stop (60 s without a step, then the stacks)
-    assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=240) == "FAILED"
-    print(f"stopped rank -> FAILED in {time.monotonic() - stopped:.0f} s")
+    # the same world size on one node (this host, two ranks): trained while the watchdog waits out the stall
+    same = _job(verl_bed, "verlsame", **SAME_MATHS, **{"trainer.total_training_steps": 1})
+    out = tmp / "verlsame.out"
+    with out.open("w") as sink:
+        one_node_job = subprocess.Popen([sys.executable, "-m", "hpc_verl", "submit", "--profile", "here-cpu-2ranks",
+                                         "--config", same], env={**bed.env, **env}, cwd=str(bed.dir),
+                                        stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        # the acceptance bound: FAILED within 4 minutes of the stop (60 s without a step, then the stacks)
+        assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=240) == "FAILED"
+        print(f"stopped rank -> FAILED in {time.monotonic() - stopped:.0f} s")
+        one_node_rc = one_node_job.wait(timeout=600)
+    finally:
+        if one_node_job.poll() is None:
+            one_node_job.terminate()    # (its supervisor cancels the local job)
+            one_node_job.wait(timeout=60)
     log = batch_log(run_dir)
     _timeline(log)
     assert "from now on no step for 60 s ends the job (watchdog.stall_timeout_s)" in log
@@ -237,13 +257,14 @@ def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topolog
     assert_clean(run_dir, job_id)
     two_nodes = _step_record(run_dir, 1)
 
-    # the same world size on one node (two ranks): the same first step
-    job = _job(verl_bed, "verlsame", **SAME_MATHS, **{"trainer.total_training_steps": 1})
-    job_id, run_dir = submit(bed, "testbed-cpu-1node", job, env=env)
-    assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout_s=600) == "COMPLETED", \
-        batch_log(run_dir)[-4000:]
-    one_node = _step_record(run_dir, 1)
-    _timeline(batch_log(run_dir))
+    # the one-node run (its log is the foreground submit's output): the same first step
+    from hpc_verl.ops.metrics_table import steps_from_log
+    text = out.read_text(errors="replace")
+    assert one_node_rc == 0 and "COMPLETED" in text, text[-4000:]
+    assert "Ray ready: 1 nodes, 2 GPUs" in text
+    _timeline(text)
+    one_node = next(rec for rec in steps_from_log(text) if rec["step"] == 1)
+    job_id, run_dir = int(re.search(r"local job (\d+) ", text).group(1)), re.search(r"run directory: (\S+)", text).group(1)
     print("first step, 2 nodes x 1 rank vs 1 node x 2 ranks:",
           {k: (two_nodes[k], one_node[k]) for k in (*SAME_MATHS_KEYS, "actor/grad_norm")})
     for key in SAME_MATHS_KEYS:
