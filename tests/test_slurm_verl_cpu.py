@@ -38,8 +38,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 #: enough steps that verl is still training when the shortened limit reaches it: the limit change goes in
 #: after step 2, verl saves at its next step and stops after the save that follows (in the suite: saved at
-#: step 2, stopped after 4); a step of four ranks with TP=2 replicas takes ~3 s on the test bed's 2 cores
-STEPS = 14
+#: step 2, stopped after 4), and the requeued run has steps of its own to make; a step of four ranks with
+#: TP=2 replicas takes ~3.6 s on the test bed's 2 loaded cores, each start-up of the job ~140 s
+STEPS = 9
 #: first-step metrics of two runs of the same world size on different topologies agree this closely
 #: (fp32 on CPU, the same data, greedy rollouts: only the reduction's placement differs)
 SAME_MATHS_RTOL = 1e-4
