@@ -56,9 +56,10 @@ def _steps(run_dir: str) -> list[int]:
     return [rec["step"] for rec in steps_from_log(batch_log(run_dir))]
 
 
-def _step_record(run_dir: str, step: int) -> dict:
+def _step_record(log: str, step: int) -> dict:
+    """verl's metrics of ``step`` in a job's log (a batch log, or a foreground submit's output)."""
     from hpc_verl.ops.metrics_table import steps_from_log
-    return next(rec for rec in steps_from_log(batch_log(run_dir)) if rec["step"] == step)
+    return next(rec for rec in steps_from_log(log) if rec["step"] == step)
 
 
 def _timeline(log: str) -> None:
@@ -256,15 +257,14 @@ def test_a_stopped_rank_is_a_stall_the_job_fails_with_its_stacks_and_the_topolog
     assert ranks[-1] in saved and ranks[0] in saved      # every rank's stack, the stopped one's too
     assert "Thread" in next(stacks.glob(f"node*/{ranks[-1]}.txt")).read_text()
     assert_clean(run_dir, job_id)
-    two_nodes = _step_record(run_dir, 1)
+    two_nodes = _step_record(batch_log(run_dir), 1)
 
     # the one-node run (its log is the foreground submit's output): the same first step
-    from hpc_verl.ops.metrics_table import steps_from_log
     text = out.read_text(errors="replace")
     assert one_node_rc == 0 and "COMPLETED" in text, text[-4000:]
     assert "Ray ready: 1 nodes, 2 GPUs" in text
     _timeline(text)
-    one_node = next(rec for rec in steps_from_log(text) if rec["step"] == 1)
+    one_node = _step_record(text, 1)
     job_id, run_dir = int(re.search(r"local job (\d+) ", text).group(1)), re.search(r"run directory: (\S+)", text).group(1)
     print("first step, 2 nodes x 1 rank vs 1 node x 2 ranks:",
           {k: (two_nodes[k], one_node[k]) for k in (*SAME_MATHS_KEYS, "actor/grad_norm")})
