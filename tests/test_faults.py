@@ -33,7 +33,6 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
-from slurm_bed import _listening_ports  # noqa: E402
 from trainer_fixtures import digit_overrides, digits_data, tiny_model  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,6 +98,13 @@ class Tree:
             self.sessions.add(st[2])
             todo.extend(kids.get(pid, []))
 
+    def holds(self, pid: int) -> bool:
+        """Whether ``pid`` (alive now) is a process of the run: seen under its roots, or in its groups or sessions."""
+        st = _stat(pid)
+        if st is None:
+            return False
+        return self.pids.get(pid) == st[3] or st[1] in self.groups - self._ours or st[2] in self.sessions - self._ours
+
     def left(self) -> list[str]:
         self._stop.set()
         self._thread.join(timeout=5)
@@ -119,8 +125,43 @@ class Tree:
         return out
 
 
-def _listening(ports: range) -> list[int]:
-    return sorted(p for p in _listening_ports() if p in ports)
+def _socket_holders() -> dict[str, int]:
+    """Socket inode -> a pid holding it open (every process here, containers' included, as root)."""
+    holders: dict[str, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            for fd in (d / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    holders.setdefault(link[8:-1], int(d.name))
+        except OSError:  # the process ended, or its fds are not ours to read
+            continue
+    return holders
+
+
+def _held_by_the_job(tree: Tree, ports: range) -> list[str]:
+    """Listening ports of ``ports`` that a process of the job holds, or that no live process can be
+    found for. Ports freed by the job may be taken at once by another job of the suite (its port
+    block is drawn from the same range): a listener that is a live process outside the job's tree
+    is that other job, not a leftover."""
+    holders = _socket_holders()
+    found = []
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            port = int(f[1].rsplit(":", 1)[1], 16)
+            if f[3] != "0A" or port not in ports:
+                continue
+            pid = holders.get(f[9])
+            if pid is None or tree.holds(pid):
+                found.append(f"{port} (pid {pid if pid is not None else 'unknown'})")
+    return sorted(found)
 
 
 def _leftover_dirs(root: Path) -> list[Path]:
@@ -135,7 +176,11 @@ def assert_job_left_nothing(tree: Tree, rec: dict) -> None:
         ports = json.loads(state.read_text()).get("ports") or {}
         if ports:
             block = range(ports["block_start"], ports["max_worker"] + 1)
-            assert not _listening(block), f"ports of the job's block still listen: {_listening(block)}"
+            held = _held_by_the_job(tree, block)
+            if held:  # a listener seen as its holder exits: look once more
+                time.sleep(1)
+                held = _held_by_the_job(tree, block)
+            assert not held, f"ports of the job's block still listen: {held}"
     assert not (RAY_TEMP_ROOT / str(rec["job_id"])).exists(), "the job's Ray temp dir was left behind"
     assert not _leftover_dirs(run / "checkpoints"), _leftover_dirs(run / "checkpoints")
 
