@@ -141,13 +141,9 @@ def _socket_holders() -> dict[str, int]:
     return holders
 
 
-def _held_by_the_job(tree: Tree, ports: range) -> list[str]:
-    """Listening ports of ``ports`` that a process of the job holds, or that no live process can be
-    found for. Ports freed by the job may be taken at once by another job of the suite (its port
-    block is drawn from the same range): a listener that is a live process outside the job's tree
-    is that other job, not a leftover."""
-    holders = _socket_holders()
-    found = []
+def _listen_inodes() -> dict[str, int]:
+    """{socket inode: port} of every TCP socket listening here."""
+    out = {}
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(name).read_text().splitlines()[1:]
@@ -155,10 +151,21 @@ def _held_by_the_job(tree: Tree, ports: range) -> list[str]:
             continue
         for line in lines:
             f = line.split()
-            port = int(f[1].rsplit(":", 1)[1], 16)
-            if f[3] != "0A" or port not in ports:
-                continue
-            pid = holders.get(f[9])
+            if len(f) > 9 and f[3] == "0A":
+                out[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
+    return out
+
+
+def _held_by_the_job(tree: Tree, ports: range) -> list[str]:
+    """Listening ports of ``ports`` that a process of the job holds, or that no live process can be
+    found for. Ports freed by the job may be taken at once by another job of the suite (its port
+    block is drawn from the same range): a listener that is a live process outside the job's tree
+    is that other job, not a leftover."""
+    holders = _socket_holders()
+    found = []
+    for inode, port in _listen_inodes().items():
+        if port in ports:
+            pid = holders.get(inode)
             if pid is None or tree.holds(pid):
                 found.append(f"{port} (pid {pid if pid is not None else 'unknown'})")
     return sorted(found)

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
-from test_faults import Tree, _env, _stat  # noqa: E402
+from test_faults import Tree, _env, _listen_inodes, _stat  # noqa: E402
 from trainer_fixtures import digits_data, tiny_model  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,21 +70,6 @@ def _marked(needles: list[bytes]) -> list[int]:
             st = _stat(int(d.name))
             if st is not None and st[0] != "Z" and _carries(int(d.name), needles):
                 out.append(int(d.name))
-    return out
-
-
-def _listen_inodes() -> dict[str, int]:
-    """{socket inode: port} of every TCP socket listening here."""
-    out = {}
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if len(f) > 9 and f[3] == "0A":
-                out[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
     return out
 
 
