@@ -310,8 +310,8 @@ def build_image(python: str | None = None, tree: _Tree | None = None, keep_tar: 
 
 
 def _prune_old(keep: str) -> None:
-    """Drop this repository's images older than an hour (each is ~500 MB; a changed project makes a
-    new one). Recent ones stay for other checkouts' test runs; podman refuses to remove one in use."""
+    """Drop this repository's images older than an hour (each is ~0.5 GB, ~3.4 GB with the engines; a changed
+    project makes a new one). Recent ones stay for other checkouts' test runs; podman refuses to remove one in use."""
     listed = _podman("images", "--filter", f"reference={IMAGE_REPO}", "--filter", "until=1h",
                      "--format", "{{.Repository}}:{{.Tag}}")
     old = [r for r in listed.stdout.decode().split() if r != keep and r.startswith(IMAGE_REPO + ":")]
