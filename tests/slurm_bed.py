@@ -210,18 +210,23 @@ def docker_testbed(slurm_testbed):
 
 
 # ----------------------------------------------------------------------------- leftovers
-def _listening_ports() -> set[int]:
-    ports = set()
+def _listen_inodes() -> dict[str, int]:
+    """{socket inode: port} of every TCP socket listening here."""
+    out = {}
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            lines = open(name).read().splitlines()[1:]
+            lines = Path(name).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
             f = line.split()
-            if f[3] == "0A":  # LISTEN
-                ports.add(int(f[1].rsplit(":", 1)[1], 16))
-    return ports
+            if len(f) > 9 and f[3] == "0A":  # LISTEN
+                out[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
+    return out
+
+
+def _listening_ports() -> set[int]:
+    return set(_listen_inodes().values())
 
 
 def leftovers(job_dir: str, job_id: int, wait_s: float = 30, docker_host: str | None = None) -> list[str]:

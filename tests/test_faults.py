@@ -33,6 +33,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
+from slurm_bed import _listen_inodes  # noqa: E402
 from trainer_fixtures import digit_overrides, digits_data, tiny_model  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,21 +140,6 @@ def _socket_holders() -> dict[str, int]:
         except OSError:  # the process ended, or its fds are not ours to read
             continue
     return holders
-
-
-def _listen_inodes() -> dict[str, int]:
-    """{socket inode: port} of every TCP socket listening here."""
-    out = {}
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if len(f) > 9 and f[3] == "0A":
-                out[f[9]] = int(f[1].rsplit(":", 1)[1], 16)
-    return out
 
 
 def _held_by_the_job(tree: Tree, ports: range) -> list[str]:

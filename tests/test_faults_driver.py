@@ -24,7 +24,8 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("torch")
 
-from test_faults import Tree, _env, _listen_inodes, _stat  # noqa: E402
+from slurm_bed import _listen_inodes  # noqa: E402
+from test_faults import Tree, _env, _stat  # noqa: E402
 from trainer_fixtures import digits_data, tiny_model  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parents[1]
