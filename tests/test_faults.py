@@ -99,9 +99,10 @@ class Tree:
             self.sessions.add(st[2])
             todo.extend(kids.get(pid, []))
 
-    def holds(self, pid: int) -> bool:
-        """Whether ``pid`` (alive now) is a process of the run: seen under its roots, or in its groups or sessions."""
-        st = _stat(pid)
+    def holds(self, pid: int, st: tuple[str, int, int, str] | None = None) -> bool:
+        """Whether ``pid`` (alive now; ``st``: its :func:`_stat`, read here if not given) is a process of the
+        run: seen under its roots with the same start time, or in one of its process groups or sessions."""
+        st = st or _stat(pid)
         if st is None:
             return False
         return self.pids.get(pid) == st[3] or st[1] in self.groups - self._ours or st[2] in self.sessions - self._ours
@@ -109,7 +110,6 @@ class Tree:
     def left(self) -> list[str]:
         self._stop.set()
         self._thread.join(timeout=5)
-        groups, sessions = self.groups - self._ours, self.sessions - self._ours
         out = []
         for d in Path("/proc").iterdir():
             if not d.name.isdigit() or int(d.name) == os.getpid():
@@ -117,7 +117,7 @@ class Tree:
             st = _stat(int(d.name))
             if st is None or st[0] == "Z":
                 continue
-            if st[1] in groups or st[2] in sessions or self.pids.get(int(d.name)) == st[3]:
+            if self.holds(int(d.name), st):
                 try:
                     cmd = Path(d, "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
                 except OSError:
