@@ -348,13 +348,8 @@ class NodeSupervisor:
     def stop(self) -> None:
         """Stop every process this supervisor started (its descendants), nothing else.
 
-        In the order Ray's daemons let go of each other: the raylet first (its workers and agents
-        go with it), then the rest, the GCS last. Stopped the other way round each waits for the
-        one already gone (a raylet for its GCS, the autoscaler's monitor for the GCS) until the KILL."""
-        mine = {p: procs.comm(p) for p in procs.descendants(os.getpid())}
-        procs.stop_and_wait([p for p, name in mine.items() if name == "raylet"], 3.0)
-        procs.stop_and_wait([p for p in procs.descendants(os.getpid()) if procs.comm(p) != "gcs_server"], 3.0)
-        killed = procs.reap_tree(os.getpid(), wait_s=0.0, grace_s=6.0)
+        In the order Ray's daemons let go of each other (``procs.end_ray_tree``)."""
+        killed = procs.end_ray_tree(os.getpid())
         # a Ray daemon forked while its `ray start` was being stopped can miss the tree (it was
         # reparented past us): whatever still names this node's temp dir is this node's Ray too
         stray = procs.pids_using(self.temp_dir) if os.path.isdir(self.temp_dir) else []
@@ -362,7 +357,7 @@ class NodeSupervisor:
             print(f"hpc_verl.bootstrap[{self.node}]: stopping Ray processes outside the supervisor's tree: "
                   f"{', '.join(f'{p} ({procs.comm(p)})' for p in stray)}", flush=True)
             procs.end_pids(stray, grace_s=3.0)
-        killed = sorted(set(killed) | set(mine) | set(stray))
+        killed = sorted(set(killed) | set(stray))
         if self._squatter is not None:
             self._squatter.close()
         st = read_json(ray_dir(self.job_dir) / "nodes" / f"{self.node}.json") or {}

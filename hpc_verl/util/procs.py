@@ -216,6 +216,17 @@ def reap_tree(root: int, wait_s: float = 0.0, grace_s: float = 5.0, keep: Collec
     return signalled
 
 
+def end_ray_tree(root: int, grace_s: float = 6.0) -> list[int]:
+    """End the Ray daemons (and everything else) under ``root`` in the order they let go of each
+    other: the raylet first (its workers and agents go with it), then the rest, the GCS last. TERMed
+    all at once, the GCS and the autoscaler's monitor each wait for a peer already gone until the
+    KILL, seconds later. Returns every pid that was under ``root``."""
+    before = descendants(root)
+    stop_and_wait([p for p in before if comm(p) == "raylet"], 3.0)
+    stop_and_wait([p for p in descendants(root) if comm(p) != "gcs_server"], 3.0)
+    return sorted(set(before) | set(reap_tree(root, wait_s=0.0, grace_s=grace_s)))
+
+
 def pids_using(path: str) -> list[int]:
     """Live processes (not this one) that name ``path`` on their command line or hold a file
     under it open (a private Ray's temp dir: its agents rename themselves with setproctitle but

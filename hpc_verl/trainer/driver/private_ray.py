@@ -218,7 +218,7 @@ def _main(argv: list[str]) -> int:
         atomic_write_text(Path(a.temp_dir) / ADDRESS_FILE, str(node.gcs_address))
         stopped.wait()
         rc = 0
-    procs.reap_tree(os.getpid(), wait_s=0.0, grace_s=STOP_GRACE_S)
+    procs.end_ray_tree(os.getpid(), grace_s=STOP_GRACE_S)
     procs.kill_everything(sid)
     return rc
 
