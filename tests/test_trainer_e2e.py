@@ -58,6 +58,18 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
 
 
+def _stop_at(gate: float) -> tuple[str, ...]:
+    """trainer.stop_when for a learning gate: end the run once the 5-step mean reward reaches ``gate``."""
+    return ("trainer.stop_when.metric=critic/score/mean", f"trainer.stop_when.at_least={gate}",
+            "trainer.stop_when.window_steps=5")
+
+
+def _first_reached(scores: list[float], gate: float) -> int | None:
+    """The first step whose 5-step mean score is >= ``gate`` (the mean as the trainer's stop rule takes it)."""
+    smooth = [sum(scores[i - 5:i]) / 5 for i in range(5, len(scores) + 1)]
+    return next((i + 5 for i, v in enumerate(smooth) if v >= gate), None)
+
+
 def _wait_for(cond, proc: subprocess.Popen, log: Path, timeout_s: float = 400) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -123,26 +135,33 @@ def test_kill_after_checkpoint_then_resume_and_preempt(tiny_model, digits_data, 
 @pytest.mark.parametrize("world", [1, 2])
 def test_tiny_model_learns_digit_task_through_dataflow(tiny_model, digits_data, tmp_path, world):
     """From random weights: mean reward < 0.2 at the start, >= 0.9 (5-step mean) within 150 iterations,
-    with one rank and with two data-parallel ranks (two rollout replicas, a DDP actor)."""
+    with one rank and with two data-parallel ranks (two rollout replicas, a DDP actor). The run ends
+    (trainer.stop_when) at the first step that meets the gate; its schedule is still 150 steps long."""
     run_dir = tmp_path / "run"
     seed = int(os.environ.get("HPC_VERL_LEARNING_SEED", "1"))
     args = digit_overrides(tiny_model, digits_data, run_dir, 150, (f"trainer.seed={seed}", "trainer.save_freq=-1",
                                                                      f"trainer.n_gpus_per_node={world}",
-                                                                     "actor_rollout_ref.actor.strategy=ddp"))
+                                                                     "actor_rollout_ref.actor.strategy=ddp",
+                                                                     *_stop_at(0.9)))
     log = tmp_path / "train.log"
     t0 = time.monotonic()
     _train_to_end(args, log)
-    rewards = [r["critic/score/mean"] for r in _records(run_dir)]
-    assert len(rewards) == 150
+    recs = _records(run_dir)
+    rewards = [r["critic/score/mean"] for r in recs]
     start = sum(rewards[:5]) / 5
     smooth = [sum(rewards[i - 5:i]) / 5 for i in range(5, len(rewards) + 1)]
-    reached = next((i + 5 for i, v in enumerate(smooth) if v >= 0.9), None)
+    reached = _first_reached(rewards, 0.9)
     print(f"learning: W={world}, seed {seed}, first-5 mean reward {start:.3f}, last-5 {smooth[-1]:.3f}, 0.9 reached at "
-          f"iteration {reached}, wall {time.monotonic() - t0:.0f}s")
+          f"iteration {reached}, stopped at {len(rewards)}, wall {time.monotonic() - t0:.0f}s")
     assert start < 0.2
     assert reached is not None and max(smooth) >= 0.9
-    # the run leaves a checkpoint and a plot can be made from its metrics
-    assert (run_dir / "global_step_150" / "actor" / ".metadata").is_file()
+    # stopped at exactly the first step that met the gate, within the 150 iterations
+    assert [r["step"] for r in recs] == list(range(1, reached + 1)) and reached <= 150
+    assert "stop_when: critic/score/mean mean over the last 5 steps" in log.read_text()
+    # the run leaves a checkpoint (the one a normal end writes) and a plot can be made from its metrics
+    assert (run_dir / f"global_step_{reached}" / "actor" / ".metadata").is_file()
+    state = json.loads((run_dir / f"global_step_{reached}" / "trainer_state.json").read_text())
+    assert state["step"] == reached and state["total_steps"] == 150
     if world == 2:
         status = json.loads((run_dir / "dataflow_status.json").read_text())
         assert [w["rows"] > 0 for w in status["nodes"]["actor_rollout"]["workers"]] == [True, True]
@@ -174,21 +193,30 @@ def test_one_step_off_policy_learns_and_is_never_more_than_one_version_behind(ti
     """hpc_verl.one_step_off_policy: the rollout (its own process: device_mapping) generates step k+1
     while step k trains. It still learns (>= 0.9 within 200 iterations) and every batch is trained at
     most one policy version after the one that generated it (checked by the trainer at every step and
-    recorded as rollout/staleness)."""
+    recorded as rollout/staleness). The run ends on the gate (trainer.stop_when): the step already in
+    flight when it is met finishes too, unless that step was a checkpoint step (nothing in flight).
+    The checkpoint every 50 steps falls inside the run, so its drain is checked."""
     run_dir = tmp_path / "run"
     args = digit_overrides(tiny_model, digits_data, run_dir, 200, (
-        "trainer.seed=1", "trainer.save_freq=100", "trainer.n_gpus_per_node=2",
-        "hpc_verl.device_mapping={actor: [0], rollout: [1]}", "hpc_verl.one_step_off_policy=true"))
+        "trainer.seed=1", "trainer.save_freq=50", "trainer.n_gpus_per_node=2",
+        "hpc_verl.device_mapping={actor: [0], rollout: [1]}", "hpc_verl.one_step_off_policy=true",
+        *_stop_at(0.9)))
     log = tmp_path / "train.log"
+    t0 = time.monotonic()
     _train_to_end(args, log)
     recs = _records(run_dir)
-    assert [r["step"] for r in recs] == list(range(1, 201))
-    stale = [r["rollout/staleness"] for r in recs]
-    assert set(stale) <= {0, 1} and stale.count(1) > 150   # overlapped, never more than one behind
-    # the checkpoint at step 100 drained the pipeline: step 101 was generated with the newest version
-    assert recs[100]["rollout/staleness"] == 0 and recs[100]["rollout/policy_version"] == 100
     scores = [r["critic/score/mean"] for r in recs]
     smooth = [sum(scores[i - 5:i]) / 5 for i in range(5, len(scores) + 1)]
-    reached = next((i + 5 for i, v in enumerate(smooth) if v >= 0.9), None)
-    print(f"one-step-off-policy: 0.9 reached at iteration {reached}, last-5 {smooth[-1]:.3f}")
-    assert sum(scores[:5]) / 5 < 0.2 and reached is not None
+    reached = _first_reached(scores, 0.9)
+    print(f"one-step-off-policy: 0.9 reached at iteration {reached}, stopped at {len(recs)}, last-5 "
+          f"{smooth[-1]:.3f}, wall {time.monotonic() - t0:.0f}s")
+    assert sum(scores[:5]) / 5 < 0.2 and reached is not None and reached <= 200
+    end = reached if reached % 50 == 0 else reached + 1   # save_freq=50: the pipeline is drained there
+    assert [r["step"] for r in recs] == list(range(1, end + 1))
+    stale = [r["rollout/staleness"] for r in recs]
+    assert set(stale) <= {0, 1} and stale.count(1) > 0.75 * len(stale)   # overlapped, never more than one behind
+    # the checkpoint at step 50 drained the pipeline: step 51 was generated with the newest version
+    assert recs[50]["rollout/staleness"] == 0 and recs[50]["rollout/policy_version"] == 50
+    # the run ended as a normal end does: the final checkpoint at its last step, the schedule's length kept
+    state = json.loads((run_dir / f"global_step_{end}" / "trainer_state.json").read_text())
+    assert state["step"] == end and state["total_steps"] == 200

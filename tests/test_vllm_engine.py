@@ -135,16 +135,18 @@ def test_refused_before_ray_starts(cli, tiny_model, digits_data, tmp_path) -> No
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
 
 
-def _vllm_run(tiny_model, digits_data, tmp_path, iterations: int, replicas: int) -> list[dict]:
+def _vllm_run(tiny_model, digits_data, tmp_path, iterations: int, replicas: int,
+              stop: tuple[str, ...] = ()) -> list[dict]:
+    """``iterations`` steps (fewer when a ``stop`` rule, trainer.stop_when, ends the run)."""
     from test_trainer_e2e import _records, _train_to_end
     run_dir = tmp_path / "run"
     args = digit_overrides(tiny_model, digits_data, run_dir, iterations, (
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true",
         "trainer.seed=1", "trainer.save_freq=-1", f"trainer.n_gpus_per_node={replicas}",
-        "actor_rollout_ref.actor.strategy=ddp"))
+        "actor_rollout_ref.actor.strategy=ddp", *stop))
     _train_to_end(args, tmp_path / "train.log")
     recs = _records(run_dir)
-    assert len(recs) == iterations
+    assert len(recs) == iterations or (stop and len(recs) < iterations)
     assert all(r["rollout/policy_version"] == r["step"] - 1 for r in recs[1:])   # synced every step
     return recs
 
@@ -152,13 +154,19 @@ def _vllm_run(tiny_model, digits_data, tmp_path, iterations: int, replicas: int)
 @pytest.mark.learning
 def test_trainer_learns_the_digit_task_with_the_vllm_rollout(tiny_model, digits_data, tmp_path) -> None:
     """From random weights to a 5-step mean reward >= 0.6 within 120 iterations, the rollout on vLLM's
-    CPU engine, its weights synced from the actor every step."""
-    recs = _vllm_run(tiny_model, digits_data, tmp_path, 120, 1)
+    CPU engine, its weights synced from the actor every step. The run ends (trainer.stop_when) at the
+    first step that meets the gate."""
+    from test_trainer_e2e import _first_reached, _stop_at
+    recs = _vllm_run(tiny_model, digits_data, tmp_path, 120, 1, _stop_at(0.6))
     rewards = [r["critic/score/mean"] for r in recs]
     smooth = [sum(rewards[i - 5:i]) / 5 for i in range(5, len(rewards) + 1)]
+    reached = _first_reached(rewards, 0.6)
     print(f"vLLM learning: first-5 {smooth[0]:.3f}, best-5 {max(smooth):.3f}, last-5 {smooth[-1]:.3f}, "
+          f"0.6 reached at iteration {reached}, stopped at {len(recs)}, "
           f"step {sum(r['timing_s/step'] for r in recs) / len(recs):.2f}s")
     assert smooth[0] < 0.2 and max(smooth) >= 0.6
+    assert reached is not None and [r["step"] for r in recs] == list(range(1, reached + 1)) and reached <= 120
+    assert (tmp_path / "run" / f"global_step_{reached}" / "trainer_state.json").is_file()
 
 
 def test_two_rollout_replicas_each_run_their_own_engine_synced_every_step(tiny_model, digits_data, tmp_path) -> None:

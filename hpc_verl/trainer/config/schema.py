@@ -8,6 +8,7 @@ dependency-free so other parts (e.g. validation of upstream verl jobs) can call 
 from __future__ import annotations
 
 import copy
+import math
 import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -62,6 +63,9 @@ _NULLABLE_TYPES: dict[str, tuple[type, ...]] = {
     "trainer.max_actor_ckpt_to_keep": (int,),
     "trainer.max_critic_ckpt_to_keep": (int,),
     "trainer.logger": (list, str),
+    "trainer.stop_when.metric": (str,),
+    "trainer.stop_when.at_least": (float,),
+    "trainer.stop_when.at_most": (float,),
     "hpc_verl.run_dir": (str,),
     "hpc_verl.ray_address": (str,),
     "hpc_verl.ray_num_cpus": (int,),
@@ -123,7 +127,7 @@ _POSITIVE = {
     "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep",
     "hpc_verl.ray_num_cpus", "hpc_verl.torch_threads", "hpc_verl.collective_timeout_s",
     "hpc_verl.weight_sync_bucket_mb", "hpc_verl.start_timeout_s", "hpc_verl.ddp_bucket_mb",
-    "actor_rollout_ref.actor.loss_scale_factor", "critic.loss_scale_factor",
+    "actor_rollout_ref.actor.loss_scale_factor", "critic.loss_scale_factor", "trainer.stop_when.window_steps",
 }
 _NON_NEGATIVE = {
     "trainer.n_gpus_per_node", "actor_rollout_ref.actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio_low",
@@ -133,6 +137,9 @@ _NON_NEGATIVE = {
     "algorithm.kl_ctrl.target_kl", "actor_rollout_ref.actor.kl_loss_coef", "trainer.critic_warmup",
     "actor_rollout_ref.actor.optim.num_cycles", "critic.optim.num_cycles",
 }
+# Sections that may be given as null: null means the section's defaults (for trainer.stop_when: off).
+_NULLABLE_SECTIONS = {"trainer.stop_when"}
+
 _UNIT_INTERVAL = {"algorithm.gamma", "algorithm.lam", "actor_rollout_ref.rollout.top_p",
                   "actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.actor.optim.min_lr_ratio",
                   "critic.optim.min_lr_ratio"}
@@ -217,6 +224,9 @@ def _merge(base: dict, update: Mapping, schema: Mapping, where: str, prefix: str
         for part in key.split("."):
             sub_schema = sub_schema[part]
         if isinstance(sub_schema, Mapping) and key != "hpc_verl.device_mapping":
+            if v is None and key in _NULLABLE_SECTIONS:
+                _set(base, key, copy.deepcopy(sub_schema))
+                continue
             if not isinstance(v, Mapping):
                 raise ConfigError(f"{where}: '{key}' is a section; give its keys ({', '.join(sub_schema)}), not a value")
             _merge(base, v, schema, where, key + ".")
@@ -287,6 +297,7 @@ def _validate_values(flat_defaults: Mapping[str, Any], cfg: Mapping) -> None:
     if temp <= 0 and cfg["actor_rollout_ref"]["rollout"]["do_sample"]:
         raise ConfigError("config key 'actor_rollout_ref.rollout.temperature': must be > 0 when do_sample=true")
     _validate_device_mapping(cfg)
+    _validate_stop_when(cfg["trainer"]["stop_when"])
     pins = cfg["hpc_verl"].get("pin_cpus")
     if pins is not None and (not pins or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
                                                    for c in pins)):
@@ -294,6 +305,29 @@ def _validate_values(flat_defaults: Mapping[str, Any], cfg: Mapping) -> None:
 
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
+
+
+def _validate_stop_when(section: Mapping) -> None:
+    """``trainer.stop_when`` (types already checked): a metric needs exactly one target, a target a metric."""
+    metric, targets = section["metric"], [k for k in ("at_least", "at_most") if section[k] is not None]
+    for k in targets:
+        if not math.isfinite(section[k]):
+            raise ConfigError(f"config key 'trainer.stop_when.{k}': expected a finite number, got {section[k]!r}")
+    if metric is None:
+        if targets:
+            raise ConfigError(f"config key 'trainer.stop_when.{targets[0]}' is set but trainer.stop_when.metric is "
+                              f"null; name the metric to watch, e.g. trainer.stop_when.metric=critic/score/mean")
+        return
+    if not metric.strip():
+        raise ConfigError("config key 'trainer.stop_when.metric': expected a metric name like critic/score/mean, "
+                          "got ''")
+    if not targets:
+        raise ConfigError(f"config key 'trainer.stop_when.metric'={metric!r} needs a target: set "
+                          f"trainer.stop_when.at_least (stop once the mean rises to it) or trainer.stop_when.at_most "
+                          f"(once it falls to it)")
+    if len(targets) == 2:
+        raise ConfigError("config keys 'trainer.stop_when.at_least' and 'trainer.stop_when.at_most' are both set; "
+                          "give one (the direction the metric should move)")
 
 
 def _validate_device_mapping(cfg: Mapping) -> None:
@@ -368,7 +402,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
             sub: Any = schema
             for part in key.split("."):
                 sub = sub[part] if isinstance(sub, Mapping) and part in sub else None
-            if isinstance(sub, Mapping) and key != "hpc_verl.device_mapping":
+            if isinstance(sub, Mapping) and value is None and key in _NULLABLE_SECTIONS:
+                value = copy.deepcopy(sub)
+            elif isinstance(sub, Mapping) and key != "hpc_verl.device_mapping":
                 raise ConfigError(f"override '{item}': '{key}' is a section; set one of its keys, "
                                   f"e.g. {key}.{next(iter(sub))}=...")
             _set(cfg, key, value)

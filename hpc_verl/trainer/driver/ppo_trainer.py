@@ -19,12 +19,13 @@ from typing import Any, Iterator, Mapping, Protocol
 from hpc_verl.errors import REQUEUE_EXIT_CODE, CheckpointError, ConfigError, HpcVerlError
 from hpc_verl.trainer.driver.checkpoint import (CHECKPOINT_FORMAT, clean_leftovers, latest_checkpoint, load_checkpoint,
                                                 save_checkpoint, verify_checkpoint)
+from hpc_verl.trainer.driver.early_stop import StopDecision, StopRule, StopWhen
 from hpc_verl.trainer.driver.preemption import PreemptionFlag
 from hpc_verl.trainer.config.topology import topology
 from hpc_verl.trainer.config.environment import check_loggers
 from hpc_verl.trainer.config.schema import Section, to_yaml, validate_for_run
 from hpc_verl.trainer.driver.ppo_graph import adv_node_name
-from hpc_verl.trainer.observe.metrics import MetricsLog, StepProgress, summary_table
+from hpc_verl.trainer.observe.metrics import MetricsLog, StepProgress, read_metrics, summary_table
 from hpc_verl.trainer.roles.nodes import ACTOR_NODE, ADVANTAGE_NODE, CRITIC_NODE, ROLLOUT_NODE
 from hpc_verl.data.dataset import ResumableSampler, RLDataset
 from hpc_verl.trainer.models.check import check_model_files, load_driver_tokenizer
@@ -96,6 +97,10 @@ class PPOTrainer:
         self.resumed_from: Path | None = None
         self.history: list[dict] = []
         self.start_step = 0
+        when = StopWhen.from_config(t.stop_when)
+        self.stop_rule = StopRule(when) if when else None   # trainer.stop_when
+        self.stopped: StopDecision | None = None
+        self._in_flight: list[tuple[dict, float]] = []   # one-step-off-policy: steps submitted, not finished
 
     @property
     def scheduler(self) -> Any:
@@ -221,22 +226,28 @@ class PPOTrainer:
         m.update(self._dataflow_metrics())
         return m
 
+    def _going(self) -> bool:
+        """No reason to stop before the next step: steps left, no preemption, no stop_when decision."""
+        return self.step < self.total_steps and not self.preempt.requested and self.stopped is None
+
     def _steps(self) -> Iterator[dict]:
-        """The run's steps as they finish, until done or preempted. One-step-off-policy mode
-        (``hpc_verl.one_step_off_policy``) keeps two steps in flight: the rollout of step k+1 runs
-        while step k trains, on weights one version behind. Nothing is in flight at a checkpoint
-        step (the stream drains there) nor after a preemption request (no new step starts)."""
+        """The run's steps as they finish, until done, preempted or stopped (``trainer.stop_when``).
+        One-step-off-policy mode (``hpc_verl.one_step_off_policy``) keeps two steps in flight: the
+        rollout of step k+1 runs while step k trains, on weights one version behind. Nothing is in
+        flight at a checkpoint step (the stream drains there); after a preemption request or a stop
+        decision no new step starts and the one in flight finishes (its update is already under
+        way), so nothing is left running when the run ends."""
         if not self.overlap:
-            while self.step < self.total_steps and not self.preempt.requested:
+            while self._going():
                 yield self.train_step()
             return
-        while self.step < self.total_steps and not self.preempt.requested:
+        while self._going():
             end = self._segment_end()
-            queue: list[tuple[dict, float]] = []
+            queue = self._in_flight = []
 
             def produce() -> dict | None:
                 nxt = self.step + len(queue) + 1
-                if self.preempt.requested or nxt > end:
+                if self.preempt.requested or self.stopped is not None or nxt > end:
                     return None
                 batch = self._make_batch(nxt)
                 queue.append((batch, time.perf_counter()))
@@ -272,7 +283,8 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the run
     def fit(self) -> int:
-        """Train to ``total_steps``; 0 when done, REQUEUE_EXIT_CODE after a preemption checkpoint."""
+        """Train to ``total_steps`` (or to a ``trainer.stop_when`` decision, which ends the run the same
+        way); 0 when done, REQUEUE_EXIT_CODE after a preemption checkpoint."""
         if self.runner is None:
             self.runner = DataflowRunner()
         atomic_write_text(self.run_dir / "config.yaml", to_yaml(self.cfg))
@@ -292,6 +304,7 @@ class PPOTrainer:
                                 progress_bar=self.progress_enabled)
             progress = StepProgress(self.total_steps, self.step, self.progress_enabled)
             save_freq = self.cfg.trainer.save_freq
+            self._seed_stop_rule()
             for m in self._steps():
                 metrics_log.write(m)
                 tracking.log(m, self.step)
@@ -299,7 +312,8 @@ class PPOTrainer:
                 progress.update(self.step, m)
                 if save_freq and save_freq > 0 and self.step % save_freq == 0:
                     self.save()
-            if self.preempt.requested and self.step < self.total_steps:
+                self._observe_stop(m)
+            if self.preempt.requested and self.step < self.total_steps and self.stopped is None:
                 if not self._saved_now():
                     self.save()
                 log.warning("preemption signal: checkpointed step %d, exiting with %d (requeue)",
@@ -322,6 +336,27 @@ class PPOTrainer:
             self.preempt.uninstall()
             if self.runner is not None:
                 self.runner.shutdown()
+
+    def _seed_stop_rule(self) -> None:
+        """A resumed run's stop window starts with the recorded steps before the checkpoint; a target
+        they already meet ends the run before another step."""
+        if self.stop_rule is None or not self.step:
+            return
+        by_step = {r["step"]: r for r in read_metrics(self.run_dir) if isinstance(r.get("step"), int)}
+        self.stop_rule.seed(by_step[s] for s in sorted(by_step) if s <= self.step)
+        self.stopped = self.stop_rule.check(self.step)
+        if self.stopped is not None:
+            log.info("%s (met before this resume: no further step)", self.stopped.line(self.total_steps))
+
+    def _observe_stop(self, m: Mapping) -> None:
+        """``trainer.stop_when`` on the step just recorded (a missing metric: one line, the run ends)."""
+        if self.stop_rule is None or self.stopped is not None:
+            return
+        self.stopped = self.stop_rule.observe(self.step, m)
+        if self.stopped is not None:
+            busy = [b["step"] for b, _ in self._in_flight]
+            log.info("%s%s", self.stopped.line(self.total_steps),
+                     f" after step {busy[-1]} (already in flight)" if busy else "")
 
     def _saved_now(self) -> bool:
         return bool(self.last_checkpoint and self.last_checkpoint.name == f"global_step_{self.step}"
