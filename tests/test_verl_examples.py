@@ -13,10 +13,16 @@ that fixes it, and is then judged with that ``--set``. Data and model paths of t
 here: a SLURM profile does not check them at render time. Where verl's check needs what this
 machine lacks (the model's files, vLLM), verl's verdict is taken as "accepts" and our check
 must not refuse either.
+
+Cost: both sides compose each script with Hydra, so both run inside ``vconfig.file_cache()``
+(Hydra's loads of verl's unchanged YAML files reused across composes; its output is the same
+as without it, test_verl_compose_cache.py), and the job's Python is probed for bad neighbours
+once per module, not once per script (the same interpreter answers the same each time).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -30,7 +36,7 @@ from hpc_verl.errors import ConfigError
 from hpc_verl.launch.spec.jobconfig import job_from_dict
 from hpc_verl.launch.spec.launch_plan import build_plan
 from hpc_verl.verl_upstream import config as vconfig
-from hpc_verl.verl_upstream import startup
+from hpc_verl.verl_upstream import neighbours, startup
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "verl_examples" / "corpus.json").read_text())
 SCRIPTS = CORPUS["scripts"]
@@ -38,6 +44,14 @@ pytestmark = pytest.mark.skipif(vconfig.find_verl() is None, reason="upstream ve
 if vconfig.find_verl() is not None:
     startup.preload()
 ENVIRONMENT = ("HFModelConfig", "version None not supported")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _probe_neighbours_once():
+    """The bad-neighbours probe starts a Python per job; every script here names the same one."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(neighbours, "installed", functools.cache(neighbours.installed))
+        yield
 
 
 def verl_verdict(script: dict) -> str | None:
@@ -55,7 +69,7 @@ def verl_verdict(script: dict) -> str | None:
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
-            with initialize_config_dir(config_dir=str(cdir), version_base=None):
+            with vconfig.file_cache(), initialize_config_dir(config_dir=str(cdir), version_base=None):
                 cfg = compose(config_name=script["config_name"].removesuffix(".yaml"), overrides=args)
             OmegaConf.to_container(cfg, resolve=True)
             validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))

@@ -7,12 +7,24 @@ does not execute the package) and compose them with Hydra's compose API, so the
 key set is exactly what ``main_ppo`` will see. Without hydra-core we fall back
 to the ``_generated_ppo_trainer.yaml`` snapshot verl ships (same keys, already
 flattened) read with PyYAML.
+
+Hydra builds a fresh config repository for every compose and re-parses each YAML file of verl's
+config with a pure-Python loader. A process that composes many command lines (the test suite,
+a long-lived checker) parses the same unchanged files over and over, so ``compose_dir`` keeps
+what Hydra loaded per file, keyed by the file's identity and modification time (``file_cache``),
+and hands Hydra a deep copy each time: Hydra edits what it loads (it pops the defaults list).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
+import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import os
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,8 +80,12 @@ def compose(overrides: Sequence[str] = (), install: VerlInstall | None = None,
     return compose_dir(config_dir or str(install.config_dir), config_name, overrides, install.version)
 
 
-def compose_dir(config_dir: str, config_name: str, overrides: Sequence[str], version: str | None = None) -> Any:
-    """Hydra's compose of ``config_name`` in ``config_dir`` (what ``@hydra.main`` builds, without running)."""
+def compose_dir(config_dir: str, config_name: str, overrides: Sequence[str], version: str | None = None,
+                *, cache: bool = True) -> Any:
+    """Hydra's compose of ``config_name`` in ``config_dir`` (what ``@hydra.main`` builds, without running).
+
+    ``cache``: reuse what Hydra loaded from unchanged files in earlier composes (``file_cache``).
+    """
     try:
         from hydra import compose as hydra_compose
         from hydra import initialize_config_dir
@@ -81,12 +97,107 @@ def compose_dir(config_dir: str, config_name: str, overrides: Sequence[str], ver
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            with file_cache(cache), initialize_config_dir(config_dir=str(config_dir), version_base=None):
                 return hydra_compose(config_name=bare_config_name(config_name), overrides=list(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         first = " ".join(str(exc).split())
         tag = f"verl {version}" if version else "verl"
         raise ConfigError(f"{tag} refused the overrides: {first}") from exc
+
+
+#: what Hydra's file source loaded, per file: key -> (provider, path, pristine config, header)
+_FILE_CACHE: dict[tuple[Any, ...], tuple[str, str, Any, dict[str, Any]]] = {}
+_FILE_CACHE_MAX = 1024  # verl 0.9.1 ships 47 YAML files in trainer/config; a bound against leaks only
+_CACHE_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("hpc_verl_hydra_file_cache", default=False)
+_INSTALL_LOCK = threading.Lock()
+_installed: bool | None = None  # None: not tried yet; False: Hydra is not as expected, no cache
+
+
+@contextlib.contextmanager
+def file_cache(enabled: bool = True) -> Iterator[bool]:
+    """Within the block (this thread/context only), Hydra's loads of config files come from
+    ``_FILE_CACHE`` when the file is unchanged; yields whether the cache is active.
+
+    Fails safe: where Hydra's file source is not shaped as expected (another hydra-core), the
+    block runs with Hydra's own loading.
+    """
+    token = _CACHE_ON.set(bool(enabled) and _install_file_cache())
+    try:
+        yield _CACHE_ON.get()
+    finally:
+        _CACHE_ON.reset(token)
+
+
+def clear_file_cache() -> None:
+    """Forget every cached file (tests; a caller that wants Hydra to read the files again)."""
+    _FILE_CACHE.clear()
+
+
+def _install_file_cache() -> bool:
+    """Make sure the file source class Hydra resolves is wrapped (the wrapper acts only inside
+    ``file_cache``); False, for good, when Hydra's internals are not as expected."""
+    global _installed
+    with _INSTALL_LOCK:
+        if _installed is not False:
+            try:
+                _installed = _wrap_file_source()
+            except Exception:  # noqa: BLE001 - any surprise in Hydra's internals means: no cache
+                _installed = False
+        return _installed
+
+
+def _wrap_file_source() -> bool:
+    # Hydra's plugin scan re-executes its core plugin modules, so the class to wrap is the one its
+    # sources registry hands out for "file://", not whatever an import here would return.
+    from hydra._internal.sources_registry import SourcesRegistry
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.config_source import ConfigResult, ConfigSource
+    from omegaconf import DictConfig, ListConfig
+
+    Plugins.instance()  # the scan registers the config sources (once per process)
+    source_cls = SourcesRegistry.instance().resolve("file")
+    original = source_cls.__dict__.get("load_config")
+    if getattr(original, "_hpc_verl_file_cache", False):
+        return True
+    needed = {"provider", "path", "config", "header", "defaults_list", "is_schema_source"}
+    if (source_cls.__name__ != "FileConfigSource" or not issubclass(source_cls, ConfigSource)
+            or not callable(original) or not dataclasses.is_dataclass(ConfigResult)
+            or not needed <= {f.name for f in dataclasses.fields(ConfigResult)}
+            or not callable(getattr(source_cls, "_normalize_file_name", None))):
+        return False
+
+    def identity(source: Any, config_path: str) -> tuple[Any, ...] | None:
+        """The file Hydra would open for ``config_path`` and its stat: a changed file is a new key."""
+        try:
+            full = os.path.realpath(os.path.join(source.path, source._normalize_file_name(config_path)))
+            st = os.stat(full)
+        except (OSError, TypeError, ValueError, AttributeError):
+            return None
+        return (type(source), source.provider, source.path, config_path, full,
+                st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    @functools.wraps(original)
+    def load_config(self: Any, config_path: str) -> Any:
+        if not _CACHE_ON.get():
+            return original(self, config_path)
+        key = identity(self, config_path)
+        hit = _FILE_CACHE.get(key) if key is not None else None
+        if hit is not None:
+            provider, path, config, header = hit
+            return ConfigResult(provider=provider, path=path, config=copy.deepcopy(config), header=dict(header))
+        result = original(self, config_path)
+        plain = (type(result) is ConfigResult and isinstance(result.config, (DictConfig, ListConfig))
+                 and result.defaults_list is None and not result.is_schema_source
+                 and isinstance(result.header, dict))
+        if key is not None and plain and identity(self, config_path) == key:  # unchanged while read
+            if len(_FILE_CACHE) >= _FILE_CACHE_MAX:
+                _FILE_CACHE.clear()
+            _FILE_CACHE[key] = (result.provider, result.path, copy.deepcopy(result.config), dict(result.header))
+        return result
+
+    load_config._hpc_verl_file_cache = True  # type: ignore[attr-defined]
+    source_cls.load_config = load_config  # type: ignore[method-assign]
+    return True
 
 
 def bare_config_name(name: str) -> str:
