@@ -22,6 +22,7 @@ import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,22 @@ class Bed:
             if self.job_state(job_id) == "PENDING" and not any(n.startswith("comp") for n in nodes):
                 return
             time.sleep(0.5)
+
+    def release_requeued(self, job_id: int, run_dir: str, before_release: Callable[[], None] | None = None) -> None:
+        """Let a requeued job's next run start now, not after SLURM's requeue delay (2 min), unless it
+        started already. Whether it did is the batch log's header of run 1, not the job's state: the job
+        counts its restart when the script asks for the requeue and stays RUNNING while the script cleans
+        up, and a test that took that for the next run waited out the whole delay."""
+        from hpc_verl.launch.backends import slurm
+
+        log = Path(run_dir + ".out")
+        if log.exists() and f"({job_id}), run 1" in log.read_text(errors="replace"):
+            return
+        self.wait_requeue_settled(job_id)
+        if before_release is not None:
+            before_release()
+        time.sleep(2)
+        slurm.release_requeued(job_id, env=self.env)
 
 
 #: run once in a fresh image: reads what a node's Ray start reads under a bound (the raylet and GCS binaries,

@@ -138,11 +138,9 @@ def test_docker_usr2_requeue_replaces_the_containers(slurm_testbed, docker_testb
             break
         assert time.monotonic() < deadline, f"not requeued: {info}; log:\n{batch_log(job_dir)}"
         time.sleep(0.5)
-    if info.state not in ("RUNNING", "COMPLETED"):
-        bed.wait_requeue_settled(job_id)
-        assert not [n for n in docker.names() if n.startswith(f"hpcv-{job_id}-")]  # gone before the next run
-        time.sleep(2)
-        slurm.release_requeued(job_id, env=bed.env)
+    def first_runs_containers_gone() -> None:   # before the next run starts its own
+        assert not [n for n in docker.names() if n.startswith(f"hpcv-{job_id}-")]
+    bed.release_requeued(job_id, job_dir, first_runs_containers_gone)
     assert bed.wait_state(job_id, TERMINAL) == "COMPLETED", batch_log(job_dir)
     log = batch_log(job_dir)
     assert "exiting 99 (requeue me)" in log and f"job dkr ({job_id}), run 1" in log, log

@@ -210,10 +210,7 @@ def test_f_preemption_checkpoint_requeue_resume(slurm_testbed, tmp_path):
             break
         assert time.monotonic() < deadline, f"not requeued: {info}; log:\n{batch_log(job_dir)}"
         time.sleep(0.5)
-    if info.state != "RUNNING" and info.state != "COMPLETED":
-        bed.wait_requeue_settled(job_id)
-        time.sleep(2)
-        slurm.release_requeued(job_id, env=bed.env)
+    bed.release_requeued(job_id, job_dir)
     assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}) == "COMPLETED", batch_log(job_dir)
     log = batch_log(job_dir)
     assert "got SIGUSR2 before the time limit: asking the trainer to checkpoint" in log

@@ -68,10 +68,7 @@ def test_a_lost_node_requeues_the_job_once_and_it_resumes(slurm_testbed, tmp_pat
             break
         assert time.monotonic() < deadline, f"not requeued: {info}; log:\n{batch_log(run_dir)[-4000:]}"
         time.sleep(0.5)
-    if info.state not in ("RUNNING", "COMPLETED"):
-        bed.wait_requeue_settled(job_id)
-        time.sleep(2)
-        slurm.release_requeued(job_id, env=bed.env)
+    bed.release_requeued(job_id, run_dir)
     assert bed.wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED"}) == "COMPLETED", batch_log(run_dir)[-4000:]
     log = batch_log(run_dir)
     _lost_node_line(log, pid)
